@@ -1,0 +1,1 @@
+"""Benchmarks, probes and reports (arrive with their issues)."""

@@ -1,0 +1,1 @@
+"""Pallas kernels (per-head random top-K eviction arrives with the kernel issue)."""

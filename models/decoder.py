@@ -1,0 +1,201 @@
+"""The one decoder: Qwen3, Phi-3/Phi-4 and Llama differ only through `ModelConfig`.
+
+Why Flax Linen (not NNX): the decoder is run inside jitted loops (`lax.while_loop`) whose state
+is donated, so parameters and the KV buffer must be plain pytrees passed in and out, never
+objects mutated in place. Linen's `apply(params, ...)` is exactly that pure-function contract,
+its parameter tree is a nested dict that Orbax, the converters and sharding rules address by
+path, and `nn.scan` stacks the layers so compile time does not grow with depth.
+
+What a layer differs by (all read from the config):
+- Qwen3: per-head RMSNorm on q and k (`q_norm`, `k_norm`) before RoPE; explicit head_dim.
+- Phi-3: partial rotary (`rotary_dim < head_dim`), longrope; fused weights are split at conversion.
+- Tied embeddings: the logits reuse `embed.embedding`; otherwise a separate `lm_head`.
+
+Attention itself is pluggable (`attend`): the forward pass uses dense causal attention over the
+tokens it is given; the generation loop passes a function that writes into and reads from its
+KV buffer. Einsum letters, used everywhere:
+  b batch, t query time, s key slot, e embed, h query heads, k kv heads, g query heads per kv
+  head, d head dim, r rotary dim, f mlp hidden, v vocab, l layers.
+Parameter tree (shapes; `l` is the leading axis of everything under `layers`):
+  embed/embedding [v, e]           layers/attn/q_proj [l, e, h, d]   layers/attn/o_proj [l, h, d, e]
+  layers/attn/k_proj [l, e, k, d]  layers/attn/v_proj [l, e, k, d]   layers/attn/{q,k}_norm [l, d]
+  layers/attn_norm/scale [l, e]    layers/mlp_norm/scale [l, e]      layers/mlp/{gate,up}_proj [l, e, f]
+  layers/mlp/down_proj [l, f, e]   final_norm/scale [e]              lm_head [e, v] (untied only)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from randkv_jax.models.config import ModelConfig
+from randkv_jax.models.rope import apply_rope, rope_angles
+
+# attend(q [b,t,h,d], k [b,t,k,d], v [b,t,k,d], shared, layer_state) -> (ctx [b,t,h,d], layer_state)
+AttendFn = Callable[..., tuple[jax.Array, Any]]
+
+_init = nn.initializers.normal(stddev=0.02)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm as transformers computes it: normalise in float32, cast back, then scale."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return scale.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def causal_attend(q, k, v, shared, layer_state):
+    """Dense attention over the call's own tokens. `shared` is a bool mask [b, t, s]."""
+    b, t, h, d = q.shape
+    groups = h // k.shape[2]
+    qg = q.reshape(b, t, k.shape[2], groups, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (d**-0.5)
+    scores = jnp.where(shared[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    ctx = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return ctx.reshape(b, t, h, d).astype(q.dtype), layer_state
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        return rms_norm(x, scale, self.eps)
+
+
+class EmbeddingTable(nn.Module):
+    """Holds `embedding` [v, e]; returns the table (lookup and tied logits both use it)."""
+
+    vocab_size: int
+    hidden_size: int
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self):
+        return self.param("embedding", _init, (self.vocab_size, self.hidden_size), self.param_dtype)
+
+
+class Attention(nn.Module):
+    config: ModelConfig
+    attend: AttendFn
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x, cos, sin, shared, layer_state):
+        c = self.config
+        e, h, k, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+
+        def weight(name, shape):
+            return self.param(name, _init, shape, self.param_dtype).astype(self.dtype)
+
+        with jax.named_scope("qkv"):
+            q = jnp.einsum("bte,ehd->bthd", x, weight("q_proj", (e, h, d)))
+            key = jnp.einsum("bte,ekd->btkd", x, weight("k_proj", (e, k, d)))
+            value = jnp.einsum("bte,ekd->btkd", x, weight("v_proj", (e, k, d)))
+            if c.qk_norm:
+                q_scale = self.param("q_norm", nn.initializers.ones, (d,), self.param_dtype)
+                k_scale = self.param("k_norm", nn.initializers.ones, (d,), self.param_dtype)
+                q = rms_norm(q, q_scale, c.rms_norm_eps)
+                key = rms_norm(key, k_scale, c.rms_norm_eps)
+            q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
+        with jax.named_scope("attend"):
+            ctx, layer_state = self.attend(q, key, value, shared, layer_state)
+        with jax.named_scope("out_proj"):
+            out = jnp.einsum("bthd,hde->bte", ctx, weight("o_proj", (h, d, e)))
+        return out, layer_state
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        e, f = self.config.hidden_size, self.config.intermediate_size
+
+        def weight(name, shape):
+            return self.param(name, _init, shape, self.param_dtype).astype(self.dtype)
+
+        gate = jnp.einsum("bte,ef->btf", x, weight("gate_proj", (e, f)))
+        up = jnp.einsum("bte,ef->btf", x, weight("up_proj", (e, f)))
+        return jnp.einsum("btf,fe->bte", jax.nn.silu(gate) * up, weight("down_proj", (f, e)))
+
+
+class DecoderLayer(nn.Module):
+    config: ModelConfig
+    attend: AttendFn
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x, layer_state, cos, sin, shared):
+        c = self.config
+        with jax.named_scope("attention"):
+            h = RMSNorm(c.rms_norm_eps, self.param_dtype, name="attn_norm")(x)
+            h, layer_state = Attention(c, self.attend, self.dtype, self.param_dtype, name="attn")(
+                h, cos, sin, shared, layer_state
+            )
+            x = x + h
+        with jax.named_scope("mlp"):
+            h = RMSNorm(c.rms_norm_eps, self.param_dtype, name="mlp_norm")(x)
+            x = x + MLP(c, self.dtype, self.param_dtype, name="mlp")(h)
+        return x, layer_state
+
+
+class Decoder(nn.Module):
+    """Token ids -> float32 logits. Layers are stacked on a leading axis and scanned.
+
+    `layer_state` is a pytree whose leaves have a leading `l` axis, handed to layer i's `attend`
+    as its i-th slice and returned updated (the generation loop's KV buffer); `shared` is given
+    to every layer as is (a mask, or buffer metadata). `logit_index` ([b] ints) computes logits
+    only at one position per row (prefill of a generation), else at every position.
+    """
+
+    config: ModelConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    attend: AttendFn = causal_attend
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: Int[Array, "b t"],
+        positions: Int[Array, "b t"],
+        shared: Any,
+        layer_state: Any = None,
+        logit_index: Int[Array, " b"] | None = None,
+    ):
+        c = self.config
+        embedding = EmbeddingTable(c.vocab_size, c.hidden_size, self.param_dtype, name="embed")()
+        x = jnp.take(embedding, tokens, axis=0).astype(self.dtype)
+        cos, sin = rope_angles(c, positions)
+        layers = nn.scan(
+            DecoderLayer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+            length=c.num_layers,
+        )(c, self.attend, self.dtype, self.param_dtype, name="layers")
+        x, layer_state = layers(x, layer_state, cos, sin, shared)
+        x = RMSNorm(c.rms_norm_eps, self.param_dtype, name="final_norm")(x)
+        if logit_index is not None:
+            x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)[:, 0]
+        with jax.named_scope("logits"):
+            if c.tie_word_embeddings:
+                head = embedding.astype(self.dtype).T
+            else:
+                head = self.param("lm_head", _init, (c.hidden_size, c.vocab_size), self.param_dtype)
+                head = head.astype(self.dtype)
+            logits = jnp.einsum("...e,ev->...v", x, head, preferred_element_type=jnp.float32)
+        return logits, layer_state
+
