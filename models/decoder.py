@@ -35,7 +35,7 @@ from jaxtyping import Array, Float, Int
 from randkv_jax.models.config import ModelConfig
 from randkv_jax.models.rope import apply_rope, rope_angles
 
-# attend(q [b,t,h,d], k [b,t,k,d], v [b,t,k,d], shared, layer_state) -> (ctx [b,t,h,d], layer_state)
+# attend(q [b,t,h,d], k [b,t,k,d], v [b,t,k,d], shared, state, layer) -> (ctx [b,t,h,d], state)
 AttendFn = Callable[..., tuple[jax.Array, Any]]
 
 _init = nn.initializers.normal(stddev=0.02)
@@ -48,7 +48,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return scale.astype(x.dtype) * normed.astype(x.dtype)
 
 
-def causal_attend(q, k, v, shared, layer_state):
+def causal_attend(q, k, v, shared, state=None, layer=None):
     """Dense attention over the call's own tokens. `shared` is a bool mask [b, t, s]."""
     b, t, h, d = q.shape
     groups = h // k.shape[2]
@@ -58,7 +58,7 @@ def causal_attend(q, k, v, shared, layer_state):
     scores = jnp.where(shared[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     ctx = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return ctx.reshape(b, t, h, d).astype(q.dtype), layer_state
+    return ctx.reshape(b, t, h, d).astype(q.dtype), state
 
 
 class RMSNorm(nn.Module):
@@ -90,7 +90,7 @@ class Attention(nn.Module):
     param_dtype: Any
 
     @nn.compact
-    def __call__(self, x, cos, sin, shared, layer_state):
+    def __call__(self, x, cos, sin, shared, state, layer):
         c = self.config
         e, h, k, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
 
@@ -108,10 +108,10 @@ class Attention(nn.Module):
                 key = rms_norm(key, k_scale, c.rms_norm_eps)
             q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
         with jax.named_scope("attend"):
-            ctx, layer_state = self.attend(q, key, value, shared, layer_state)
+            ctx, state = self.attend(q, key, value, shared, state, layer)
         with jax.named_scope("out_proj"):
             out = jnp.einsum("bthd,hde->bte", ctx, weight("o_proj", (h, d, e)))
-        return out, layer_state
+        return out, state
 
 
 class MLP(nn.Module):
@@ -138,26 +138,27 @@ class DecoderLayer(nn.Module):
     param_dtype: Any
 
     @nn.compact
-    def __call__(self, x, layer_state, cos, sin, shared):
+    def __call__(self, carry, cos, sin, shared):
+        x, state, layer = carry
         c = self.config
         with jax.named_scope("attention"):
             h = RMSNorm(c.rms_norm_eps, self.param_dtype, name="attn_norm")(x)
-            h, layer_state = Attention(c, self.attend, self.dtype, self.param_dtype, name="attn")(
-                h, cos, sin, shared, layer_state
+            h, state = Attention(c, self.attend, self.dtype, self.param_dtype, name="attn")(
+                h, cos, sin, shared, state, layer
             )
             x = x + h
         with jax.named_scope("mlp"):
             h = RMSNorm(c.rms_norm_eps, self.param_dtype, name="mlp_norm")(x)
             x = x + MLP(c, self.dtype, self.param_dtype, name="mlp")(h)
-        return x, layer_state
+        return (x, state, layer + 1), None
 
 
 class Decoder(nn.Module):
     """Token ids -> float32 logits. Layers are stacked on a leading axis and scanned.
 
-    `layer_state` is a pytree whose leaves have a leading `l` axis, handed to layer i's `attend`
-    as its i-th slice and returned updated (the generation loop's KV buffer); `shared` is given
-    to every layer as is (a mask, or buffer metadata). `logit_index` ([b] ints) computes logits
+    `state` (the generation loop's KV buffer, leaves with a leading `l` axis) is carried through
+    the layers whole: layer i's `attend` gets it with `layer=i` and updates its slice in place,
+    so no layer copies the buffer; `shared` is given to every layer as is (a mask, or metadata). `logit_index` ([b] ints) computes logits
     only at one position per row (prefill of a generation), else at every position.
     """
 
@@ -172,7 +173,7 @@ class Decoder(nn.Module):
         tokens: Int[Array, "b t"],
         positions: Int[Array, "b t"],
         shared: Any,
-        layer_state: Any = None,
+        state: Any = None,
         logit_index: Int[Array, " b"] | None = None,
     ):
         c = self.config
@@ -183,10 +184,10 @@ class Decoder(nn.Module):
             DecoderLayer,
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
             length=c.num_layers,
         )(c, self.attend, self.dtype, self.param_dtype, name="layers")
-        x, layer_state = layers(x, layer_state, cos, sin, shared)
+        (x, state, _), _ = layers((x, state, jnp.int32(0)), cos, sin, shared)
         x = RMSNorm(c.rms_norm_eps, self.param_dtype, name="final_norm")(x)
         if logit_index is not None:
             x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)[:, 0]
@@ -197,5 +198,5 @@ class Decoder(nn.Module):
                 head = self.param("lm_head", _init, (c.hidden_size, c.vocab_size), self.param_dtype)
                 head = head.astype(self.dtype)
             logits = jnp.einsum("...e,ev->...v", x, head, preferred_element_type=jnp.float32)
-        return logits, layer_state
+        return logits, state
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import jinja2
 import numpy as np
 import pytest
+import tokenizers
 
 from randkv_jax.models.tokenizer import ChatTemplateError, Tokenizer
 
@@ -78,6 +79,16 @@ def phi4(ours: Tokenizer, phi4_template: str) -> Tokenizer:
     return Tokenizer(ours.backend, phi4_template, {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"})
 
 
+@pytest.fixture(scope="module")
+def tiny() -> tokenizers.Tokenizer:
+    """A word-level tokenizer built in memory (fast to save/load), with the Qwen3/Phi-4 special token strings."""
+    vocab = {"<unk>": 0, "<|endoftext|>": 1, "<|im_end|>": 2, "hi": 3, "there": 4}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    backend.add_special_tokens(["<|endoftext|>", "<|im_end|>"])
+    return backend
+
+
 def hf_chat_ids(hf, messages, **kw) -> list[int]:
     """transformers 5 returns a BatchEncoding for tokenize=True; older versions a list."""
     out = hf.apply_chat_template(messages, tokenize=True, **kw)
@@ -115,8 +126,9 @@ def test_qwen3_chat_template_matches_transformers(ours, hf, name, enable_thinkin
 
 def test_qwen3_tools_and_reasoning_content(ours, hf) -> None:
     """`tools` goes through the tojson filter; `reasoning_content` messages are rendered like transformers."""
-    tools = [{"type": "function", "function": {"name": "wetter", "description": "Wetter für eine Stadt (°C)",
-                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    parameters = {"type": "object", "properties": {"city": {"type": "string"}}}
+    function = {"name": "wetter", "description": "Wetter für eine Stadt (°C)", "parameters": parameters}
+    tools = [{"type": "function", "function": function}]
     messages = [
         {"role": "user", "content": "Wie ist das Wetter in Zürich?"},
         {"role": "assistant", "content": "Sonnig.", "reasoning_content": "Look it up.", "tool_calls": None},
@@ -162,19 +174,23 @@ def test_phi4_reasoning_template(phi4: Tokenizer, phi4_template: str, hf) -> Non
     assert "Now, try to solve the following question through the above guidelines:<|im_end|>" in text
     assert "<|im_start|>user<|im_sep|>What is 3 * 7?<|im_end|>" in text
     assert text.endswith("<|im_end|><|im_start|>assistant<|im_sep|>")
-    assert text == hf.apply_chat_template(messages, chat_template=phi4_template, tokenize=False, add_generation_prompt=True)
+    assert text == hf.apply_chat_template(messages, chat_template=phi4_template, tokenize=False,
+                                          add_generation_prompt=True)
     assert phi4.eos_token_ids == [151645] and phi4.bos_token_id == 151643
 
     # An assistant turn goes through the {% generation %} block, which must render its body.
     turns = [*messages, {"role": "assistant", "content": "<think>3*7=21</think>21"}, {"role": "user", "content": "x2?"}]
     text = phi4.apply_chat_template(turns, tokenize=False, add_generation_prompt=False)
-    assert "<|im_start|>assistant<|im_sep|><think>3*7=21</think>21<|im_end|><|im_start|>user<|im_sep|>x2?<|im_end|>" in text
-    assert text == hf.apply_chat_template(turns, chat_template=phi4_template, tokenize=False, add_generation_prompt=False)
+    assert ("<|im_start|>assistant<|im_sep|><think>3*7=21</think>21<|im_end|>"
+            "<|im_start|>user<|im_sep|>x2?<|im_end|>") in text
+    assert text == hf.apply_chat_template(turns, chat_template=phi4_template, tokenize=False,
+                                          add_generation_prompt=False)
 
 
 # --- save / from_dir ------------------------------------------------------------------------------------
-def test_save_round_trip(ours: Tokenizer, phi4: Tokenizer, tmp_path: Path) -> None:
-    for name, tok in (("qwen3", ours), ("phi4", phi4)):
+def test_save_round_trip(ours: Tokenizer, tiny, phi4_template: str, tmp_path: Path) -> None:
+    phi4_tiny = Tokenizer(tiny, phi4_template, {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"})
+    for name, tok in (("qwen3", ours), ("phi4", phi4_tiny)):
         tok.save(tmp_path / name)
         back = Tokenizer.from_dir(tmp_path / name)
         assert back.backend.to_str() == tok.backend.to_str()
@@ -185,23 +201,26 @@ def test_save_round_trip(ours: Tokenizer, phi4: Tokenizer, tmp_path: Path) -> No
         for text in TEXTS:
             assert back.encode(text) == tok.encode(text)
         for messages in CONVERSATIONS.values():
-            assert back.apply_chat_template(messages, tokenize=False) == tok.apply_chat_template(messages, tokenize=False)
+            text = tok.apply_chat_template(messages, tokenize=False)
+            assert back.apply_chat_template(messages, tokenize=False) == text
             assert back.apply_chat_template(messages) == tok.apply_chat_template(messages)
 
 
-def test_saved_dir_loads_in_transformers(phi4: Tokenizer, tmp_path: Path) -> None:
+def test_saved_dir_loads_in_transformers(tiny, phi4_template: str, tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    phi4.save(tmp_path)
+    phi4_tiny = Tokenizer(tiny, phi4_template, {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"})
+    phi4_tiny.save(tmp_path)
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     messages = CONVERSATIONS["system"]
-    assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == phi4.apply_chat_template(
-        messages, tokenize=False)
+    text = phi4_tiny.apply_chat_template(messages, tokenize=False)
+    assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == text
     assert hf.eos_token == "<|im_end|>" and hf.bos_token == "<|endoftext|>"
+    assert hf.encode("hi there <|im_end|>") == phi4_tiny.encode("hi there <|im_end|>") == [3, 4, 2]
 
 
-def test_chat_template_file_and_eos_forms(ours: Tokenizer, tmp_path: Path) -> None:
+def test_chat_template_file_and_eos_forms(tiny, tmp_path: Path) -> None:
     """chat_template.jinja is read (and wins over the config's template, as in transformers); AddedToken dicts."""
-    ours.save(tmp_path)
+    Tokenizer(tiny, "config template", {"eos_token": "<|im_end|>"}).save(tmp_path)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     del config["chat_template"]
     config["eos_token"] = {"__type": "AddedToken", "content": "<|im_end|>", "special": True}
@@ -209,16 +228,17 @@ def test_chat_template_file_and_eos_forms(ours: Tokenizer, tmp_path: Path) -> No
     assert Tokenizer.from_dir(tmp_path).chat_template is None
     (tmp_path / "chat_template.jinja").write_text("{{ bos_token }}|{{ eos_token }}|{{ messages[0]['content'] }}")
     tok = Tokenizer.from_dir(tmp_path)
-    assert tok.eos_token_ids == [151645]
+    assert tok.eos_token_ids == [2]
     assert tok.chat_prompt("hi", tokenize=False) == "|<|im_end|>|hi"  # no bos_token: undefined renders ""
+    assert tok.chat_prompt("hi") == [0, 2, 0, 3]  # "|" is <unk> in the tiny vocabulary
     config["chat_template"] = "config template"
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     assert Tokenizer.from_dir(tmp_path).chat_prompt("hi", tokenize=False) == "|<|im_end|>|hi"
 
-    two = Tokenizer(ours.backend, None, {"eos_token": ["<|im_end|>", "<|endoftext|>"]})
-    assert two.eos_token_ids == [151645, 151643] and two.special_tokens["eos_token"] == "<|im_end|>"
+    two = Tokenizer(tiny, None, {"eos_token": ["<|im_end|>", "<|endoftext|>"]})
+    assert two.eos_token_ids == [2, 1] and two.special_tokens["eos_token"] == "<|im_end|>"
     two.save(tmp_path / "two")
-    assert Tokenizer.from_dir(tmp_path / "two").eos_token_ids == [151645, 151643]
+    assert Tokenizer.from_dir(tmp_path / "two").eos_token_ids == [2, 1]
 
 
 # --- errors ---------------------------------------------------------------------------------------------
@@ -249,7 +269,8 @@ def test_template_errors(ours: Tokenizer) -> None:
 
 def test_template_helpers(ours: Tokenizer) -> None:
     """tojson is json.dumps(ensure_ascii=False) with indent; strftime_now and the sandbox work."""
-    tok = Tokenizer(ours.backend, "{{ messages[0] | tojson }}\n{{ messages[0] | tojson(indent=2) }}\n{{ strftime_now('%Y') }}")
+    template = "{{ messages[0] | tojson }}\n{{ messages[0] | tojson(indent=2) }}\n{{ strftime_now('%Y') }}"
+    tok = Tokenizer(ours.backend, template)
     message = {"role": "user", "content": "<b>é 世界</b>"}
     text = tok.chat_prompt("<b>é 世界</b>", tokenize=False)
     lines = text.split("\n", 1)
