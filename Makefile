@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 demo: setup
-	$(VENV)/bin/randkv info
+	$(VENV)/bin/randkv generate --budget 64 --buffer 32 --max-new-tokens 400 --dtype float32
 
 test: setup
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "not slow" -q $(PYTEST_FLAGS)

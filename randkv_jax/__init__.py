@@ -1,6 +1,12 @@
 """randkv-jax: long reasoning generation with a bounded KV cache (Random Attention) in JAX."""
 
+from randkv_jax import policies
+from randkv_jax.generate import GenerationResult, RowStats, generate
 from randkv_jax.models.loading import load_model
 from randkv_jax.models.model import Model
+from randkv_jax.policies import FullAttention, RandomAttention
 
-__all__ = ["Model", "load_model"]
+__all__ = [
+    "FullAttention", "GenerationResult", "Model", "RandomAttention", "RowStats", "generate",
+    "load_model", "policies",
+]

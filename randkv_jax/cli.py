@@ -1,4 +1,4 @@
-"""The `randkv` command line: `randkv convert SRC --out DIR`, `randkv info [PATH]`."""
+"""The `randkv` command line: `generate`, `convert`, `info`."""
 
 from __future__ import annotations
 
@@ -30,9 +30,78 @@ def _info(args: argparse.Namespace) -> None:
           f"tokenizer: {'yes' if model.tokenizer else 'no'}")
 
 
+DEMO_PROMPTS = (
+    "What is 17 * 23? Think step by step.",
+    "Write a short poem about the sea.",
+    "Explain in three sentences why the sky is blue.",
+)
+
+
+def _policy(args: argparse.Namespace):
+    from randkv_jax import policies
+
+    if args.policy == "full":
+        return policies.get("full")
+    return policies.get(args.policy, budget=args.budget, buffer=args.buffer, protect=args.protect,
+                        convention=args.convention, seed=args.seed)
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    from randkv_jax.generate import generate
+    from randkv_jax.models.loading import DEFAULT_MODEL, load_model
+
+    policy = _policy(args)  # validate before the (slow) model load
+    prompts = list(args.prompt) or list(DEMO_PROMPTS)
+    print(f"model: {args.model or DEFAULT_MODEL}; policy: {policy}", flush=True)
+    model = load_model(args.model, dtype=args.dtype)
+    template_kwargs = {} if args.enable_thinking is None else {"enable_thinking": args.enable_thinking}
+    with tqdm(total=args.max_new_tokens, desc="decoding", unit="tok", leave=False) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.update(done - bar.n)
+
+        result = generate(
+            model, prompts, policy=policy, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+            chat=not args.no_chat, chunk=args.chunk, progress=progress, **template_kwargs,
+        )
+    for i, (prompt, stats) in enumerate(zip(prompts, result.stats)):
+        answer = result.texts[i] if result.texts is not None else str(result.tokens[i])
+        print(f"\n### [{i}] {prompt}\n{answer.strip()}")
+        print(f"    ({stats.new_tokens} new tokens, {stats.evictions} eviction rounds, "
+              f"peak {stats.peak_slots} KV slots)")
+    held = sum(s.kv_bytes for s in result.stats)
+    full = sum(s.kv_bytes_full for s in result.stats)
+    print(f"\ndecode: {result.decode_tokens_per_second:.1f} tokens/s over {len(prompts)} rows; "
+          f"KV memory {held / 2**20:.2f} MiB vs {full / 2**20:.2f} MiB with a full cache "
+          f"({100 * (1 - held / full):.0f}% saved)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="randkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate with a bounded KV cache (default: Random Attention)")
+    gen.add_argument("--model", default=None, help="checkpoint (default: the embedded SmolLM2-135M-Instruct)")
+    gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
+    gen.add_argument("--policy", default="random", help="eviction policy name (see randkv_jax.policies)")
+    gen.add_argument("--budget", type=int, default=1024, help="K: generated entries kept per head")
+    gen.add_argument("--buffer", type=int, default=64, help="r: recency window and round interval")
+    gen.add_argument("--protect", default="prompt", help="prompt | sinks:N | none")
+    gen.add_argument("--convention", default="text", choices=["text", "engine", "vllm"],
+                     help="what --budget counts (see docs/policies.md)")
+    gen.add_argument("--max-new-tokens", type=int, default=512)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--enable-thinking", type=lambda v: v.lower() in ("1", "true", "yes"), default=None,
+                     help="Qwen3 chat template switch (true/false)")
+    gen.add_argument("--chunk", type=int, default=64, help="decode steps per device call")
+    gen.set_defaults(run=_generate)
 
     convert = sub.add_parser("convert", help="convert a HF/GGUF checkpoint to randkv's Orbax format")
     convert.add_argument("src", help="HF checkpoint directory or .gguf file")

@@ -1,0 +1,91 @@
+"""KVBuffer: the fixed-shape, per-head KV cache carried through the decode loop.
+
+Layout (l layers, b rows, k KV heads, s slots, d head dim):
+- `keys`, `values` [l, b, k, s, d]: stored after RoPE, so evicting never re-rotates anything;
+- `positions` [l, b, k, s] int32: the absolute sequence position of each slot, -1 when empty.
+  Layers and heads hold different positions once eviction has run;
+- `prompt_lens` [b]: the prompt length of each row (its positions 0 .. P-1 are the prompt);
+- `fill` [b]: slots in use. Every layer and head of a row holds entries in slots [0, fill) only,
+  in chronological order (prefill writes the prompt at slots [0, P); each generated token is
+  appended at slot `fill`; compaction keeps order). All heads of a row hold the same number of
+  entries, so one `fill` per row serves them all.
+
+A new token's RoPE position is its true position in the sequence (`prompt_len + generated`),
+never its slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from randkv_jax.models.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVBuffer:
+    keys: Float[Array, "l b k s d"]
+    """Post-RoPE keys."""
+    values: Float[Array, "l b k s d"]
+    """Values."""
+    positions: Int[Array, "l b k s"]
+    """Absolute position held by each slot; -1 = empty."""
+    prompt_lens: Int[Array, " b"]
+    """Prompt length per row."""
+    fill: Int[Array, " b"]
+    """Slots in use per row (entries live in [0, fill))."""
+
+    @classmethod
+    def empty(cls, config: ModelConfig, batch: int, capacity: int, dtype: Any) -> KVBuffer:
+        shape = (config.num_layers, batch, config.num_kv_heads, capacity)
+        return cls(
+            keys=jnp.zeros((*shape, config.head_dim), dtype),
+            values=jnp.zeros((*shape, config.head_dim), dtype),
+            positions=jnp.full(shape, -1, jnp.int32),
+            prompt_lens=jnp.zeros((batch,), jnp.int32),
+            fill=jnp.zeros((batch,), jnp.int32),
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.positions.shape[-1]
+
+    @property
+    def valid(self) -> Bool[Array, "l b k s"]:
+        return self.positions >= 0
+
+    def slots_held(self) -> Int[Array, "l b k"]:
+        """Valid entries per layer, row and head."""
+        return jnp.sum(self.valid, axis=-1, dtype=jnp.int32)
+
+    def bytes_per_slot(self) -> int:
+        """Bytes of one slot across all layers and KV heads (keys and values)."""
+        l, _, k, _, d = self.keys.shape
+        return 2 * l * k * d * self.keys.dtype.itemsize
+
+
+def compact(buffer: KVBuffer, keep: Bool[Array, "l b k s"]) -> KVBuffer:
+    """Keep the `keep` slots of every layer/row/head, moved to the front in their old order.
+
+    Every (layer, head) of a row must keep the same number of slots; that number becomes the
+    row's `fill`. Freed slots become empty (-1).
+    """
+    keep = keep & buffer.valid
+    # a stable sort of "not kept" brings kept slots to the front, in slot (= chronological) order
+    order = jnp.argsort(~keep, axis=-1, stable=True)
+    kept = jnp.sum(keep, axis=-1, dtype=jnp.int32)  # [l, b, k]
+    in_use = jnp.arange(buffer.capacity) < kept[..., None]
+    positions = jnp.where(in_use, jnp.take_along_axis(buffer.positions, order, axis=-1), -1)
+    gather = lambda x: jnp.take_along_axis(x, order[..., None], axis=-2)  # noqa: E731
+    return dataclasses.replace(
+        buffer,
+        keys=gather(buffer.keys),
+        values=gather(buffer.values),
+        positions=positions,
+        fill=kept[0, :, 0],
+    )
