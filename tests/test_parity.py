@@ -13,7 +13,7 @@ from tests.hf_tiny import TINY, save_tiny
 
 # bfloat16 runs round weights, activations and the residual stream to 8 bits of mantissa; on
 # these tiny models (logits of magnitude ~3) the error against float32 transformers stays below
-# this bound (measured max 0.032-0.052 over the configs here, scripts in docs/parity.md).
+# this bound (measured max 0.032-0.052 over the configs here: `python -m tests.test_parity`).
 BF16_ATOL = 0.1
 
 
@@ -71,3 +71,26 @@ def test_bfloat16_logits_within_documented_tolerance(tiny):
     err = np.abs(ours - ref)[mask.astype(bool)].max()
     assert err <= BF16_ATOL, f"{name}: bf16 max abs logits error {err}"
     assert ours.dtype == np.float32
+
+
+def report() -> None:
+    """Print the measured max abs logits errors (the figures in docs/models.md)."""
+    import tempfile
+    from pathlib import Path
+
+    for name in sorted(TINY):
+        directory = Path(tempfile.mkdtemp())
+        hf_model = save_tiny(name, directory)
+        for dtype in ("float32", "bfloat16"):
+            model = randkv_jax.load_model(directory, dtype=dtype)
+            for seq_len in (12, 40) if name == "phi3_longrope" else (24,):
+                errors = []
+                for pad in ("left", "right"):
+                    tokens, mask = _batch(seq_len, model.config.vocab_size, pad)
+                    diff = np.abs(np.asarray(forward(model, tokens, mask)) - _hf_logits(hf_model, tokens, mask))
+                    errors.append(diff[mask.astype(bool)].max())
+                print(f"{name:14s} {dtype:9s} T={seq_len:2d}  max abs logits error {max(errors):.2e}")
+
+
+if __name__ == "__main__":
+    report()
