@@ -1,1 +1,6 @@
-"""Pallas kernels (per-head random top-K eviction arrives with the kernel issue)."""
+"""Pallas kernels: Random Attention's eviction round (`random_keep`) and its hash PRNG (`hash_prng`)."""
+
+from randkv_jax.kernels.hash_prng import eviction_draws
+from randkv_jax.kernels.random_keep import random_keep_mask, random_keep_mask_reference
+
+__all__ = ["eviction_draws", "random_keep_mask", "random_keep_mask_reference"]

@@ -107,7 +107,7 @@ def _bisect_keep(eligible, draws, slot, k, *, slot_bits: int):
     """
     k = jnp.asarray(k).astype(jnp.float32)
     ranked = jnp.where(eligible, draws, -1)
-    # T: the largest threshold with at least k eligible draws >= T (0 when fewer than k eligible)
+
     def search(carry_init, bits, ok):
         # greedy from the top bit: keep each bit whose setting still satisfies `ok`
         def step(i, value):
@@ -161,6 +161,10 @@ def _triton_kernel(scalars_ref, rows_ref, pos_ref, out_ref, *, num_slots, **sett
     plt.store(out_ref, _tile_keep(pos, head, slot, scalars, row, l, **settings), mask=in_range)
 
 
+def _num_warps(s_pad: int) -> int:
+    return 4 if s_pad <= 1024 else 8 if s_pad <= 8192 else 16
+
+
 def _default_platform() -> str:
     return "triton" if jax.default_backend() == "gpu" else "tpu"
 
@@ -176,10 +180,8 @@ def _random_keep_call(
     l, b, k, s = positions.shape
     n_generated = jnp.asarray(n_generated, jnp.int32)
     scalars = jnp.stack([seed, n_generated, n_generated // buffer, jnp.int32(0)]).astype(jnp.int32)
-    rows = jnp.stack(
-        [prompt_lens.astype(jnp.int32), kept.astype(jnp.int32), row_seeds.astype(jnp.int32), jnp.zeros((b,), jnp.int32)],
-        axis=1,
-    ).reshape(-1)  # [b * 4]
+    per_row = (prompt_lens, kept, row_seeds, jnp.zeros((b,), jnp.int32))
+    rows = jnp.stack([x.astype(jnp.int32) for x in per_row], axis=1).reshape(-1)  # [b * 4]
     out_shape = jax.ShapeDtypeStruct((l, b, k, s), jnp.int32)
     if platform == "tpu":
         settings = dict(buffer=buffer, sinks=sinks, shared_across_heads=shared_across_heads,
@@ -210,7 +212,7 @@ def _random_keep_call(
         ],
         out_specs=tile,
         out_shape=out_shape,
-        compiler_params=plt.CompilerParams(num_warps=num_warps or (4 if s_pad <= 1024 else 8), num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=num_warps or _num_warps(s_pad), num_stages=1),
         interpret=interpret,
         name="random_keep_triton",
     )(scalars, rows, positions)
@@ -285,6 +287,19 @@ def random_keep_mask_reference(
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    return _reference_call(
+        positions, prompt_lens, kept, row_seeds, _as_int32(seed), n_generated, buffer=buffer, sinks=sinks,
+        shared_across_heads=bool(shared_across_heads), block_size=block_size, method=method, max_kept=max_kept,
+    )
+
+
+@functools.partial(
+    jax.jit, static_argnames=("buffer", "sinks", "shared_across_heads", "block_size", "method", "max_kept")
+)
+def _reference_call(
+    positions, prompt_lens, kept, row_seeds, seed, n_generated, *,
+    buffer, sinks, shared_across_heads, block_size, method, max_kept,
+):
     l, b, k, s = positions.shape
     n_generated = jnp.asarray(n_generated, jnp.int32)
     row = lambda x: jnp.asarray(x, jnp.int32)[None, :, None, None]  # noqa: E731
@@ -294,7 +309,7 @@ def random_keep_mask_reference(
     head = 0 if shared_across_heads else jnp.arange(k, dtype=jnp.int32)[None, None, :, None]
     slot = jnp.arange(s, dtype=jnp.int32)[None, None, None, :]
     draws = eviction_draws(
-        _as_int32(seed), row(row_seeds), layer, head, n_generated // buffer, _slot_block(slot, block_size)
+        seed, row(row_seeds), layer, head, n_generated // buffer, _slot_block(slot, block_size)
     ).astype(jnp.int32)
     draws = jnp.broadcast_to(draws, positions.shape)
     if method == "bisect":

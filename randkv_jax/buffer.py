@@ -69,6 +69,11 @@ class KVBuffer:
         return 2 * l * k * d * self.keys.dtype.itemsize
 
 
+def compaction_order(keep: Bool[Array, "l b k s"]) -> Int[Array, "l b k s"]:
+    """Slot permutation bringing kept slots to the front in their old (chronological) order."""
+    return jnp.argsort(~keep, axis=-1, stable=True)
+
+
 def compact(buffer: KVBuffer, keep: Bool[Array, "l b k s"]) -> KVBuffer:
     """Keep the `keep` slots of every layer/row/head, moved to the front in their old order.
 
@@ -76,8 +81,7 @@ def compact(buffer: KVBuffer, keep: Bool[Array, "l b k s"]) -> KVBuffer:
     row's `fill`. Freed slots become empty (-1).
     """
     keep = keep & buffer.valid
-    # a stable sort of "not kept" brings kept slots to the front, in slot (= chronological) order
-    order = jnp.argsort(~keep, axis=-1, stable=True)
+    order = compaction_order(keep)
     kept = jnp.sum(keep, axis=-1, dtype=jnp.int32)  # [l, b, k]
     in_use = jnp.arange(buffer.capacity) < kept[..., None]
     positions = jnp.where(in_use, jnp.take_along_axis(buffer.positions, order, axis=-1), -1)

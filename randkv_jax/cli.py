@@ -1,10 +1,11 @@
-"""The `randkv` command line: `generate`, `convert`, `info`."""
+"""The `randkv` command line: `generate`, `convert`, `info`, `calibrate`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from pathlib import Path
 
 
 def _convert(args: argparse.Namespace) -> None:
@@ -30,6 +31,20 @@ def _info(args: argparse.Namespace) -> None:
           f"tokenizer: {'yes' if model.tokenizer else 'no'}")
 
 
+def _calibrate(args: argparse.Namespace) -> None:
+    from randkv_jax.calibration import calibrate_text, default_stats_dir
+    from randkv_jax.models.loading import load_model
+
+    if not Path(args.text).is_file():
+        raise FileNotFoundError(f"calibration text not found: {args.text}")
+    start = time.perf_counter()
+    out = args.out or default_stats_dir(args.model)
+    model = load_model(args.model, dtype=args.dtype)
+    out = calibrate_text(model, args.text, out, max_tokens=args.max_tokens, chunk=args.chunk)
+    print(f"TriAttention statistics of {args.model} ({args.text}) saved to {out} "
+          f"in {time.perf_counter() - start:.1f} s")
+
+
 DEMO_PROMPTS = (
     "What is 17 * 23? Think step by step.",
     "Write a short poem about the sea.",
@@ -38,12 +53,19 @@ DEMO_PROMPTS = (
 
 
 def _policy(args: argparse.Namespace):
+    """The policy named by --policy, given the options its dataclass has (others keep defaults)."""
     from randkv_jax import policies
 
-    if args.policy == "full":
-        return policies.get("full")
-    return policies.get(args.policy, budget=args.budget, buffer=args.buffer, protect=args.protect,
-                        convention=args.convention, seed=args.seed)
+    fields = policies.fields_of(args.policy)
+    options = {"budget": args.budget, "buffer": args.buffer, "protect": args.protect,
+               "convention": args.convention, "seed": args.seed, "preset": args.preset}
+    kwargs = {k: v for k, v in options.items() if k in fields and v is not None}
+    if "stats" in fields:
+        from randkv_jax.calibration import default_stats_dir
+        from randkv_jax.models.loading import default_model_dir
+
+        kwargs["stats"] = args.stats or default_stats_dir(args.model or default_model_dir())
+    return policies.get(args.policy, **kwargs)
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -88,7 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--policy", default="random", help="eviction policy name (see randkv_jax.policies)")
     gen.add_argument("--budget", type=int, default=1024, help="K: generated entries kept per head")
     gen.add_argument("--buffer", type=int, default=64, help="r: recency window and round interval")
-    gen.add_argument("--protect", default="prompt", help="prompt | sinks:N | none")
+    gen.add_argument("--protect", default=None,
+                     help="prompt | sinks:N | none (default: the policy's published regime)")
+    gen.add_argument("--preset", default=None, help="a policy's named preset (snapkv, rkv, vase: paper | ...)")
+    gen.add_argument("--stats", default=None,
+                     help="TriAttention statistics (default: <model>/triattention_stats from `randkv calibrate`)")
     gen.add_argument("--convention", default="text", choices=["text", "engine", "vllm"],
                      help="what --budget counts (see docs/policies.md)")
     gen.add_argument("--max-new-tokens", type=int, default=512)
@@ -112,6 +138,16 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="describe a checkpoint (default: the embedded model)")
     info.add_argument("path", nargs="?", default=None)
     info.set_defaults(run=_info)
+
+    calib = sub.add_parser("calibrate", help="compute TriAttention's query statistics from plain text")
+    calib.add_argument("--model", required=True, help="checkpoint directory or .gguf file")
+    calib.add_argument("--text", required=True, help="plain-text file (UTF-8) encoded with the model's tokenizer")
+    calib.add_argument("--out", default=None, help="output directory (default: <model>/triattention_stats)")
+    calib.add_argument("--max-tokens", type=int, default=32768, help="use the text's first N tokens")
+    calib.add_argument("--chunk", type=int, default=None,
+                       help="tokens per forward sequence (default: all in one sequence)")
+    calib.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    calib.set_defaults(run=_calibrate)
     return parser
 
 

@@ -22,9 +22,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
 from randkv_jax.attention import buffer_attention
-from randkv_jax.buffer import KVBuffer, compact
+from randkv_jax.buffer import KVBuffer, compact, compaction_order
 from randkv_jax.models.config import ModelConfig
 from randkv_jax.models.decoder import Decoder, causal_attend
+from randkv_jax.observations import Observations, record_decode, record_prefill, reorder
 from randkv_jax.policies.base import EvictionPolicy
 from randkv_jax.sampling import SamplingParams, sample_tokens
 
@@ -54,6 +55,8 @@ class LoopState:
     """Most valid slots held by any layer and head of the row."""
     row_seeds: Int[Array, " b"]
     """Per-request seeds (sampling keys and eviction draws derive from these)."""
+    observations: Observations | None
+    """What a scoring policy records (recent queries, accumulated attention); None otherwise."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +75,11 @@ class DecodeSpec:
     def evicts(self) -> bool:
         return isinstance(self.policy, EvictionPolicy)
 
+    def observations(self, batch: int, capacity: int) -> Observations | None:
+        if not self.evicts:
+            return None
+        return Observations.create(self.policy.needs, self.config, batch, capacity, self.dtype)
+
 
 def padded_capacity(policy, prompt_len: int, max_new_tokens: int) -> int:
     """Buffer capacity for `policy`, rounded up to whole attention blocks."""
@@ -83,7 +91,8 @@ def _prefill_attend(q, k, v, shared, state, layer):
     """Dense causal attention over the prompt, writing its keys/values to slots [0, t)."""
     mask, token_positions = shared
     ctx, _ = causal_attend(q, k, v, mask)
-    keys, values, positions = state
+    keys, values, positions, observations = state
+    observations = record_prefill(observations, layer, q, k, token_positions)
     t = k.shape[1]
     write = lambda buf, x: jax.lax.dynamic_update_slice(  # noqa: E731
         buf, x.transpose(0, 2, 1, 3)[None].astype(buf.dtype), (layer, 0, 0, 0, 0)
@@ -92,13 +101,13 @@ def _prefill_attend(q, k, v, shared, state, layer):
     heads = positions.shape[2]
     pos = jnp.broadcast_to(token_positions[:, None, :], (k.shape[0], heads, t))[None]
     positions = jax.lax.dynamic_update_slice(positions, pos, (layer, 0, 0, 0))
-    return ctx, (keys, values, positions)
+    return ctx, (keys, values, positions, observations)
 
 
 def _decode_attend(q, k, v, shared, state, layer):
     """Append this step's key/value at each row's `slot`, then attend over the filled blocks."""
-    slot, new_pos, n_filled = shared
-    keys, values, positions = state
+    slot, new_pos, n_filled, step = shared
+    keys, values, positions, observations = state
     rows = jnp.arange(k.shape[0])
     keys = keys.at[layer, rows, :, slot].set(k[:, 0].astype(keys.dtype))
     values = values.at[layer, rows, :, slot].set(v[:, 0].astype(values.dtype))
@@ -106,7 +115,8 @@ def _decode_attend(q, k, v, shared, state, layer):
     ctx = buffer_attention(
         q, keys, values, positions, new_pos[:, None], n_filled, block_size=ATTENTION_BLOCK, layer=layer
     )
-    return ctx, (keys, values, positions)
+    observations = record_decode(observations, layer, step, q, keys, positions, new_pos[:, None])
+    return ctx, (keys, values, positions, observations)
 
 
 def _row_keys(row_seeds):
@@ -125,9 +135,10 @@ def prefill(params, prompts, prompt_lens, row_seeds, *, spec: DecodeSpec, capaci
     mask = jnp.tril(jnp.ones((p, p), bool))[None] & valid[:, None, :]
     buffer = KVBuffer.empty(spec.config, b, capacity, spec.dtype)
     decoder = Decoder(spec.config, spec.dtype, spec.dtype, attend=_prefill_attend)
-    logits, (keys, values, positions) = decoder.apply(
+    logits, (keys, values, positions, observations) = decoder.apply(
         {"params": params}, prompts, jnp.maximum(token_positions, 0), (mask, token_positions),
-        (buffer.keys, buffer.values, buffer.positions), logit_index=prompt_lens - 1,
+        (buffer.keys, buffer.values, buffer.positions, spec.observations(b, capacity)),
+        logit_index=prompt_lens - 1,
     )
     buffer = dataclasses.replace(
         buffer, keys=keys, values=values, positions=positions, prompt_lens=prompt_lens, fill=prompt_lens
@@ -138,7 +149,7 @@ def prefill(params, prompts, prompt_lens, row_seeds, *, spec: DecodeSpec, capaci
     zeros = jnp.zeros((b,), jnp.int32)
     return LoopState(
         buffer=buffer, tokens=tokens, last=first, step=jnp.int32(0), n_new=zeros + 1, done=done,
-        evictions=zeros, peak_slots=prompt_lens, row_seeds=row_seeds,
+        evictions=zeros, peak_slots=prompt_lens, row_seeds=row_seeds, observations=observations,
     )
 
 
@@ -155,9 +166,9 @@ def _step(params, state: LoopState, spec: DecodeSpec) -> LoopState:
     new_pos = buffer.prompt_lens + state.step  # the true position of `last`
     n_filled = jnp.max(buffer.fill) + 1
     decoder = Decoder(spec.config, spec.dtype, spec.dtype, attend=_decode_attend)
-    logits, (keys, values, positions) = decoder.apply(
-        {"params": params}, state.last[:, None], new_pos[:, None], (buffer.fill, new_pos, n_filled),
-        (buffer.keys, buffer.values, buffer.positions),
+    logits, (keys, values, positions, observations) = decoder.apply(
+        {"params": params}, state.last[:, None], new_pos[:, None], (buffer.fill, new_pos, n_filled, state.step),
+        (buffer.keys, buffer.values, buffer.positions, state.observations),
     )
     buffer = dataclasses.replace(buffer, keys=keys, values=values, positions=positions, fill=buffer.fill + 1)
     step = state.step + 1
@@ -166,11 +177,11 @@ def _step(params, state: LoopState, spec: DecodeSpec) -> LoopState:
     if spec.evicts:
         with jax.named_scope("eviction"):
             due = spec.policy.due(buffer, step)
-            buffer = jax.lax.cond(
+            buffer, observations = jax.lax.cond(
                 jnp.any(due),
-                lambda buf: compact(buf, spec.policy.keep_mask(buf, step, state.row_seeds)),
-                lambda buf: buf,
-                buffer,
+                lambda buf, obs: _evict(spec.policy, buf, obs, step, state.row_seeds),
+                lambda buf, obs: (buf, obs),
+                buffer, observations,
             )
             evictions = evictions + (due & ~state.done)
     token = sample_tokens(logits[:, 0], _row_keys(state.row_seeds), step, spec.sampling)
@@ -179,8 +190,15 @@ def _step(params, state: LoopState, spec: DecodeSpec) -> LoopState:
     done = state.done | _is_stop(token, spec) | (n_new >= spec.max_new_tokens)
     return dataclasses.replace(
         state, buffer=buffer, tokens=state.tokens.at[:, step].set(token), last=token, step=step,
-        n_new=n_new, done=done, evictions=evictions, peak_slots=peak_slots,
+        n_new=n_new, done=done, evictions=evictions, peak_slots=peak_slots, observations=observations,
     )
+
+
+def _evict(policy: EvictionPolicy, buffer: KVBuffer, observations, step, row_seeds):
+    """One eviction round: the policy's keep-mask, then compaction of the buffer (and of what
+    the policy observed per slot)."""
+    keep = policy.keep_mask(buffer, step, row_seeds, observations) & buffer.valid
+    return compact(buffer, keep), reorder(observations, compaction_order(keep), keep)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))

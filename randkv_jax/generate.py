@@ -108,6 +108,8 @@ def generate(
     policy = RandomAttention() if policy is None else policy
     if isinstance(policy, str):
         policy = policies.get(policy)
+    if isinstance(policy, policies.EvictionPolicy):
+        policy.check_model(model.config)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     ids = encode_prompts(model, prompts, chat, **template_kwargs)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -65,3 +66,16 @@ def save_tiny(name: str, directory: Path, seed: int = 0) -> transformers.PreTrai
     model = build_hf_model(name, seed)
     model.save_pretrained(directory)
     return model
+
+
+TEXT = " ".join(f"the {w} of step {i} is {i * 7 % 13} so we add {w} again." for i, w in
+                enumerate(["sum", "value", "answer", "count", "root", "limit"] * 12))
+
+
+def save_tokenizer(directory: Path, text: str = TEXT) -> None:
+    """A small BPE tokenizer (vocab 200 < the tiny models' 256) trained on `text`, as tokenizer.json."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0, 1, 2, 3: the tiny configs' pad, bos, eos
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=200, special_tokens=specials))
+    tok.save(str(directory / "tokenizer.json"))

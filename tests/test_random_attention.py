@@ -232,3 +232,12 @@ def test_protect_none_and_sinks():
                 assert set(range(kept_prompt)) <= set(pos[l, 0, h].tolist())
         # the unprotected part of the prompt is evicted somewhere
         assert not all(set(range(10)) <= set(pos[l, 0, h].tolist()) for l in range(2) for h in range(4))
+
+
+def test_select_top_keeps_k_even_when_eligible_scores_are_minus_inf():
+    from randkv_jax.policies.base import select_top
+
+    scores = jnp.asarray([[[[-jnp.inf, 0.5, -jnp.inf, -jnp.inf, 2.0, -jnp.inf]]]])
+    eligible = jnp.asarray([[[[False, True, True, True, True, False]]]])
+    keep = np.asarray(select_top(scores, eligible, jnp.asarray([3])))[0, 0, 0]
+    np.testing.assert_array_equal(keep, [False, True, True, False, True, False])  # -inf tie -> lower slot

@@ -10,7 +10,8 @@ head) keeps. Every policy here shares the same skeleton (the paper's engine):
 - among the other entries ("eligible"), the K with the highest scores are kept, ties going to
   the older slot; kept entries stay in chronological order (`buffer.compact`).
 
-Subclasses only say how to score eligible entries (`scores`).
+Subclasses only say how to score eligible entries (`scores`) and what they need to observe
+during decoding (`needs`: recent queries, accumulated attention; see `randkv_jax.observations`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from randkv_jax.buffer import KVBuffer
+from randkv_jax.observations import Observations, ScoringNeeds
 
 CONVENTIONS = ("text", "engine", "vllm")
 
@@ -66,6 +68,14 @@ class EvictionPolicy:
             raise ValueError(f"engine convention: token_budget {self.budget} must exceed buffer {self.buffer}")
         parse_protect(self.protect)
 
+    def check_model(self, config) -> None:
+        """Raise ValueError if this policy cannot run on a model with `config` (default: it can)."""
+
+    @property
+    def needs(self) -> ScoringNeeds:
+        """What the decode loop must record for `scores` (nothing, by default)."""
+        return ScoringNeeds()
+
     @property
     def max_kept(self) -> int:
         """An upper bound of K over rows (static; sizes the buffer)."""
@@ -97,26 +107,38 @@ class EvictionPolicy:
         return on_boundary & (n_eligible > self.kept_per_row(buffer.prompt_lens))
 
     def keep_mask(
-        self, buffer: KVBuffer, n_generated: Int[Array, ""], row_seeds: Int[Array, " b"]
+        self,
+        buffer: KVBuffer,
+        n_generated: Int[Array, ""],
+        row_seeds: Int[Array, " b"],
+        observations: Observations | None = None,
     ) -> Bool[Array, "l b k s"]:
         """The entries each layer/row/head keeps this round (all of them in rows not `due`)."""
         protected = self.protected(buffer, n_generated)
         eligible = buffer.valid & ~protected
-        scores = self.scores(buffer, n_generated, row_seeds)
+        scores = self.scores(buffer, n_generated, row_seeds, observations)
         keep = protected | select_top(scores, eligible, self.kept_per_row(buffer.prompt_lens))
         return jnp.where(self.due(buffer, n_generated)[None, :, None, None], keep, buffer.valid)
 
     def scores(
-        self, buffer: KVBuffer, n_generated: Int[Array, ""], row_seeds: Int[Array, " b"]
+        self,
+        buffer: KVBuffer,
+        n_generated: Int[Array, ""],
+        row_seeds: Int[Array, " b"],
+        observations: Observations | None = None,
     ) -> Float[Array, "l b k s"]:
+        """A score per slot (higher is kept first); only eligible slots' scores matter."""
         raise NotImplementedError
 
 
 def select_top(
     scores: Float[Array, "l b k s"], eligible: Bool[Array, "l b k s"], k: Int[Array, " b"]
 ) -> Bool[Array, "l b k s"]:
-    """The k[b] highest-scoring eligible slots of each (layer, row, head); ties -> lower slot."""
-    ranked = jnp.where(eligible, scores.astype(jnp.float32), -jnp.inf)
-    order = jnp.argsort(-ranked, axis=-1, stable=True)
+    """The k[b] highest-scoring eligible slots of each (layer, row, head); ties -> lower slot.
+
+    Eligible slots rank before all others whatever their score (even -inf), so every head keeps
+    exactly min(k, eligible) of them.
+    """
+    order = jnp.lexsort((-scores.astype(jnp.float32), ~eligible), axis=-1)  # stable: ties by slot
     rank = jnp.argsort(order, axis=-1)  # rank of each slot in that order
     return eligible & (rank < k[None, :, None, None])

@@ -55,7 +55,7 @@ class RandomAttention(EvictionPolicy):
         return "pallas" if jax.default_backend() in ("tpu", "gpu") else "xla"
 
     def scores(
-        self, buffer: KVBuffer, n_generated: Int[Array, ""], row_seeds: Int[Array, " b"]
+        self, buffer: KVBuffer, n_generated: Int[Array, ""], row_seeds: Int[Array, " b"], observations=None
     ) -> Float[Array, "l b k s"]:
         l, b, k, s = buffer.positions.shape
         layer = jnp.arange(l)[:, None, None, None]
@@ -66,11 +66,11 @@ class RandomAttention(EvictionPolicy):
         return jnp.broadcast_to(draws, (l, b, k, s)).astype(jnp.float32)
 
     def keep_mask(
-        self, buffer: KVBuffer, n_generated: Int[Array, ""], row_seeds: Int[Array, " b"]
+        self, buffer: KVBuffer, n_generated: Int[Array, ""], row_seeds: Int[Array, " b"], observations=None
     ) -> Bool[Array, "l b k s"]:
         """The entries each layer/row/head keeps this round (all of them in rows not `due`)."""
         if self.resolved_backend() == "xla":
-            return super().keep_mask(buffer, n_generated, row_seeds)
+            return super().keep_mask(buffer, n_generated, row_seeds, observations)
         # rows not due keep every valid entry: a K of `capacity` keeps all eligible slots
         due = self.due(buffer, n_generated)
         kept = jnp.where(due, self.kept_per_row(buffer.prompt_lens), buffer.capacity)

