@@ -101,8 +101,11 @@ class EvictionPolicy:
 
     def due(self, buffer: KVBuffer, n_generated: Int[Array, ""]) -> Bool[Array, " b"]:
         """Rows for which a round runs now: a multiple of r generated, more than K eligible."""
-        eligible = buffer.valid & ~self.protected(buffer, n_generated)
-        n_eligible = jnp.sum(eligible[0, :, 0], axis=-1)  # the same for every layer and head
+        # every layer and head of a row holds as many eligible entries: count on one of them
+        # (this runs at every decode step, so it must not touch the whole [l, b, k, s] array)
+        one_head = dataclasses.replace(buffer, positions=buffer.positions[:1, :, :1])
+        eligible = one_head.valid & ~self.protected(one_head, n_generated)
+        n_eligible = jnp.sum(eligible[0, :, 0], axis=-1)
         on_boundary = (n_generated > 0) & (n_generated % self.buffer == 0)
         return on_boundary & (n_eligible > self.kept_per_row(buffer.prompt_lens))
 
