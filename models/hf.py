@@ -6,11 +6,12 @@ The conversion is a table (`key_table`): each entry names a Hugging Face tensor 
 `[out, in]`; ours are `[in, ...out]`, so they are transposed and reshaped to the leaf's shape.
 
 Loading streams one parameter leaf at a time: a host buffer for that leaf is filled tensor by
-tensor (only the needed rows are read from disk), moved to the device (with its sharding when
-one is given), and released, so host memory peaks at one leaf beyond the parameters themselves.
-Every problem is an error naming the tensor: missing, unexpected, duplicate, wrong shape,
-truncated file, or an `lm_head` that differs from tied embeddings. Pickle checkpoints
-(`.bin`, `.pt`) are refused: unpickling can run arbitrary code.
+tensor (read with the `safetensors` library, `safetensors_file`; only the needed rows), moved to
+the device (with its sharding when one is given), and released, so host memory peaks at one leaf
+beyond the parameters themselves. Every problem is an error naming the tensor (missing,
+unexpected, duplicate, wrong shape, an `lm_head` that differs from tied embeddings) or the file
+(truncated or corrupted). Pickle checkpoints (`.bin`, `.pt`) are refused: unpickling can run
+arbitrary code.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def find_safetensors(directory: Path) -> list[Path]:
     if single.is_file():
         return [single]
     refuse_pickle(directory)
-    shards = sorted(directory.glob("*.safetensors"))
+    shards = sorted(p for p in directory.glob("*.safetensors") if p.is_file())
     if shards:
         return shards
     raise CheckpointError(f"no safetensors weights in {directory} (model.safetensors or an index)")
@@ -216,7 +217,7 @@ def load_safetensors_params(
             if target.transpose:
                 part = part.T
             dest = host if layer is None else host[layer]
-            dest[...] = part.reshape(dest.shape).astype(leaf.dtype)
+            dest[...] = part.reshape(dest.shape)  # casts on assignment: no extra copy
             del part
         loaded[path] = jax.device_put(host, flat_shardings.get(path))
         del host

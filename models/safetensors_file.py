@@ -1,35 +1,34 @@
-"""A small reader for `.safetensors` files that needs neither torch nor memory maps.
+"""`.safetensors` files read through the `safetensors` library's numpy path (no torch).
 
-Format: 8-byte little-endian header length N, N bytes of JSON (`{name: {dtype, shape,
-data_offsets: [begin, end]}, "__metadata__": {...}}`), then the raw little-endian data.
-Tensors are read one at a time (optionally only a range of leading-axis rows, which is a
-contiguous byte range) with plain `readinto`, so host memory holds only what was asked for.
-bfloat16 arrives as `ml_dtypes.bfloat16`. A truncated or malformed file is reported by name.
+`read_header` opens a file with `safetensors.safe_open`, which refuses a truncated file, a
+malformed header and tensors whose byte ranges do not tile the data exactly, and lists the
+tensors, refusing dtypes outside `ITEMSIZE`. `read_tensor` reopens the file and copies one tensor,
+or rows [start, stop) of its leading axis (`get_slice`: only those bytes of the memory map are
+touched), into a fresh array; the map is closed before it returns, so host memory holds only what
+was asked for. bfloat16 arrives as `ml_dtypes.bfloat16`. Every refusal is a one-line
+`SafetensorsError` naming the file, and the tensor where one is at fault.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
-import ml_dtypes
+import ml_dtypes  # noqa: F401  registers "bfloat16" with numpy, which the library's numpy path needs
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
-DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64,
-    "I32": np.int32,
-    "I16": np.int16,
-    "I8": np.int8,
-    "U8": np.uint8,
-    "BOOL": np.bool_,
-}
+# Bytes per element of the stored dtypes the loader accepts (the library's numpy path fails on
+# its float8/float4 ones).
+ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+# The end of the library's message for a tensor whose byte range does not match its shape; it
+# does not say which tensor.
+_UNNAMED_MISMATCH = "invalid shape, data type, or offset for tensor"
 
 
 class SafetensorsError(ValueError):
@@ -40,60 +39,51 @@ class SafetensorsError(ValueError):
 class TensorInfo:
     file: Path
     name: str
-    dtype: np.dtype
     shape: tuple[int, ...]
-    offset: int  # absolute byte offset of the first element in the file
-    nbytes: int
 
 
 def read_header(file: Path) -> dict[str, TensorInfo]:
-    """Parse the header of `file` and check every tensor's bytes lie inside the file."""
+    """The tensors of `file`, by name."""
     file = Path(file)
-    size = file.stat().st_size
-    with open(file, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise SafetensorsError(f"{file}: truncated safetensors file (no header)")
-        (n,) = struct.unpack("<Q", head)
-        if 8 + n > size:
-            raise SafetensorsError(
-                f"{file}: truncated safetensors file (header of {n} bytes, file has {size})"
-            )
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise SafetensorsError(f"{file}: malformed safetensors header: {e}") from None
     tensors = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        if meta.get("dtype") not in DTYPES:
-            raise SafetensorsError(f"{file}: tensor {name} has unsupported dtype {meta.get('dtype')}")
-        dtype = np.dtype(DTYPES[meta["dtype"]])
-        shape = tuple(int(s) for s in meta["shape"])
-        begin, end = meta["data_offsets"]
-        if end - begin != math.prod(shape) * dtype.itemsize:
-            raise SafetensorsError(f"{file}: tensor {name}: byte range does not match its shape")
-        if 8 + n + end > size:
-            raise SafetensorsError(
-                f"{file}: truncated safetensors file: tensor {name} ends at byte {8 + n + end}, "
-                f"file has {size}"
-            )
-        tensors[name] = TensorInfo(file, name, dtype, shape, 8 + n + begin, end - begin)
+    with _open(file) as f:
+        for name in f.keys():
+            view = f.get_slice(name)
+            if view.get_dtype() not in ITEMSIZE:
+                raise SafetensorsError(f"{file}: tensor {name} has unsupported dtype {view.get_dtype()}")
+            tensors[name] = TensorInfo(file, name, tuple(view.get_shape()))
     return tensors
 
 
 def read_tensor(info: TensorInfo, rows: tuple[int, int] | None = None) -> np.ndarray:
     """Read one tensor (or rows [start, stop) of its leading axis) into a fresh array."""
-    shape, offset = info.shape, info.offset
-    if rows is not None:
-        start, stop = rows
-        row_bytes = math.prod(shape[1:]) * info.dtype.itemsize
-        shape, offset = (stop - start, *shape[1:]), offset + start * row_bytes
-    out = np.empty(shape, info.dtype)
-    with open(info.file, "rb") as f:
-        f.seek(offset)
-        got = f.readinto(memoryview(out.reshape(-1).view(np.uint8)))
-    if got != out.nbytes:
-        raise SafetensorsError(f"{info.file}: truncated safetensors file while reading {info.name}")
-    return out
+    with _open(info.file) as f:
+        return f.get_tensor(info.name) if rows is None else f.get_slice(info.name)[rows[0]:rows[1]]
+
+
+@contextlib.contextmanager
+def _open(file: Path) -> Iterator:
+    try:
+        with safe_open(file, framework="numpy") as f:
+            yield f
+    except SafetensorError as e:
+        reason = str(e)
+        if reason.endswith(_UNNAMED_MISMATCH):
+            reason += f" {_mismatched_tensor(file)}"
+        raise SafetensorsError(f"{file}: corrupted or truncated safetensors file: {reason}") from None
+
+
+def _mismatched_tensor(file: Path) -> str:
+    """The tensor of `file` whose byte range does not match its shape and dtype.
+
+    Only called once the library has parsed the header (and found such a tensor), so the header
+    is well-formed here.
+    """
+    with open(file, "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    header.pop("__metadata__", None)
+    for name, t in header.items():
+        begin, end = t["data_offsets"]
+        if t["dtype"] in ITEMSIZE and end - begin != math.prod(t["shape"]) * ITEMSIZE[t["dtype"]]:
+            return name
+    return "of a dtype the loader does not read"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -141,7 +142,42 @@ def test_truncated_safetensors(checkpoint, tmp_path):
     d = _copy(checkpoint, tmp_path)
     file = d / "model.safetensors"
     file.write_bytes(file.read_bytes()[:-100])
-    _one_line_error(SafetensorsError, d, "truncated safetensors file")
+    _one_line_error(SafetensorsError, d, str(file), "truncated safetensors file")
+
+
+def _with_header(header: dict, data: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + data
+
+
+def _edit(header: dict, name: str, **fields) -> dict:
+    return {**header, name: {**header[name], **fields}}
+
+
+NORM = "model.norm.weight"  # float32, shape (64,)
+
+
+# Each edit maps (file bytes, parsed header, data section) to the corrupted file's bytes.
+@pytest.mark.parametrize("corrupt, needle", [
+    (lambda raw, h, data: raw[:5], "header too small"),
+    (lambda raw, h, data: raw[:len(raw) - len(data) - 10], "invalid header length"),
+    (lambda raw, h, data: struct.pack("<Q", len(raw)) + raw[8:], "invalid header length"),
+    (lambda raw, h, data: struct.pack("<Q", 10) + b"not json!!" + data, "invalid JSON in header"),
+    (lambda raw, h, data: raw + bytes(8), "file not fully covered"),
+    (lambda raw, h, data: _with_header(
+        _edit(h, NORM, data_offsets=[o + 4 for o in h[NORM]["data_offsets"]]), data + bytes(4)),
+     f"invalid offset for tensor `{NORM}`"),
+    (lambda raw, h, data: _with_header(_edit(h, NORM, shape=[32]), data), f"for tensor {NORM}"),
+    (lambda raw, h, data: _with_header(_edit(h, NORM, dtype="U32"), data), f"tensor {NORM} has unsupported dtype U32"),
+], ids=["no header", "truncated header", "header longer than the file", "garbage header",
+        "trailing bytes", "wrong data_offsets", "bytes do not match the shape", "unsupported dtype"])
+def test_corrupted_safetensors(checkpoint, tmp_path, corrupt, needle):
+    d = _copy(checkpoint, tmp_path)
+    file = d / "model.safetensors"
+    raw = file.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    file.write_bytes(corrupt(raw, json.loads(raw[8:8 + n]), raw[8 + n:]))
+    _one_line_error(SafetensorsError, d, str(file), needle)
 
 
 def test_tied_lm_head_must_equal_embeddings(tmp_path):
