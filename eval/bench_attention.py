@@ -80,14 +80,14 @@ def main(argv: list[str] | None = None) -> None:
     dtype = jnp.dtype(args.dtype)
     rng = np.random.default_rng(0)
 
-    blocked = jax.jit(buffer_attention, static_argnames="block_size")
+    blocked = jax.jit(buffer_attention, static_argnames=("block_size", "slice_as_bits"))
     dense = jax.jit(dense_attention)
     big = make_inputs(rng, args, args.capacity, dtype)
     small = tuple(x[:, :, : args.filled] if x.ndim >= 3 else x for x in big)  # same filled slots
     n = jnp.int32(args.filled)
 
     def run_blocked(q, k, v, p, qp):
-        return blocked(q, k, v, p, qp, n, block_size=args.block_size)
+        return blocked(q, k, v, p, qp, n, block_size=args.block_size, slice_as_bits=jax.default_backend() == "cpu")
 
     # the three compute the same thing on the same filled slots
     ref = np.asarray(run_blocked(*small), np.float32)

@@ -31,7 +31,9 @@ difference):
      softmax, on the non-window slots;
   3. `SnapKV(preset="paper", protect="none", buffer=w).keep_mask` against that press's
      `compress`; `StreamingLLM` (sinks:4) and `Recency` (protect "none") against
-     `StreamingLLMPress(n_sink=4 / 0).compress`, with the same number of kept entries.
+     `StreamingLLMPress(n_sink=4 / 0).compress`, with the same number of kept entries: our
+     `budget` counts the window and the sinks, as kvpress' kept count does, so budget = n_kept
+     (window = interval = w; one due round on a buffer holding all T tokens).
 It also reports, without failing, how far kvpress' own SnapKV convention (window keys in the
 softmax denominator, causal among the window queries) is from ours: score differences, rank
 correlation and keep-set overlap.
@@ -119,6 +121,7 @@ def export(out: str, seed: int, tokens: int, window: int, ratio: float, batch: i
 
 def compare(ref: str) -> int:
     """Compare the exported kvpress results with ours; 0 if the coinciding definitions agree."""
+    import jax
     import jax.numpy as jnp
     import numpy as np
 
@@ -155,14 +158,16 @@ def compare(ref: str) -> int:
             failures.append(name)
 
     # A one-layer buffer at a round: slots 0..T-1 hold positions 0..T-1, the last w are the
-    # r = w window, n_generated a multiple of r (the round is due).
-    n_generated = w * ((t - w) // (2 * w))
+    # window, n_generated a positive multiple of the interval w, all T > n_kept tokens held (the round is due).
+    n_generated = w * max((t - w) // (2 * w), 1)
     prompt = t - n_generated
     buffer = KVBuffer(
         keys=jnp.asarray(keys)[None], values=jnp.zeros((1, b, k, t, d), jnp.float32),
         positions=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (1, b, k, t)),
-        prompt_lens=jnp.full((b,), prompt, jnp.int32), fill=jnp.full((b,), t, jnp.int32))
-    step, seeds = jnp.asarray(n_generated), jnp.zeros((b,), jnp.int32)
+        prompt_lens=jnp.full((b,), prompt, jnp.int32), fill=jnp.full((b,), t, jnp.int32),
+        generated=jnp.full((b,), n_generated, jnp.int32))
+    seeds = jnp.zeros((b,), jnp.int32)
+    platform = jax.default_backend()  # "cpu", "gpu" or "tpu": what the keep masks are built for
     non_window = jnp.arange(t) < t - w
     candidates = jnp.broadcast_to(non_window, (b, k, t))
 
@@ -174,16 +179,16 @@ def compare(ref: str) -> int:
                                     kernel=KERNEL, pool="avg", group="mean"))
     close("snapkv_scores vs SnapKVPress.score(attentions=...)", ours[..., :t - w],
           z["snapkv_scores_restricted"][..., :t - w])
-    snapkv = SnapKV(budget=n_kept - w, buffer=w, protect="none", preset="paper")
-    keep = snapkv.keep_mask(buffer, step, seeds, Observations(queries=jnp.asarray(q)[None]))[0]
+    snapkv = SnapKV(budget=n_kept, buffer=w, protect="none", preset="paper")
+    keep = snapkv.keep_mask(buffer, seeds, Observations(queries=jnp.asarray(q)[None]), platform=platform)[0]
     same_keep(f"SnapKV keep_mask vs compress (ratio {float(z['ratio'])})", keep, z["snapkv_keep_restricted"])
 
     print("StreamingLLM / Recency keep sets:")
     same_keep(f"StreamingLLM(sinks:{n_sink}) vs StreamingLLMPress(n_sink={n_sink})",
-              StreamingLLM(budget=n_kept - n_sink - w, buffer=w).keep_mask(buffer, step, seeds)[0],
+              StreamingLLM(budget=n_kept, buffer=w).keep_mask(buffer, seeds, platform=platform)[0],
               z["streaming_keep"])
     same_keep("Recency(protect=none) vs StreamingLLMPress(n_sink=0)",
-              Recency(budget=n_kept - w, buffer=w, protect="none").keep_mask(buffer, step, seeds)[0],
+              Recency(budget=n_kept, buffer=w, protect="none").keep_mask(buffer, seeds, platform=platform)[0],
               z["streaming0_keep"])
 
     print("SnapKV, kvpress' own convention (window keys in the denominator, causal window) - reported only:")
@@ -214,7 +219,7 @@ def main(argv=None) -> int:
     ex.add_argument("--out", required=True)
     ex.add_argument("--seed", type=int, default=0)
     ex.add_argument("--tokens", type=int, default=64, help="sequence length T")
-    ex.add_argument("--window", type=int, default=8, help="SnapKV window w (= our buffer r)")
+    ex.add_argument("--window", type=int, default=8, help="SnapKV window w (= our window and interval)")
     ex.add_argument("--ratio", type=float, default=0.5, help="kvpress compression ratio for the keep sets")
     ex.add_argument("--batch", type=int, default=2)
     cmp = sub.add_parser("compare", help="compare the npz with randkv_jax (project venv)")

@@ -7,9 +7,10 @@ kernel compiled for TPU (Mosaic) or GPU (Triton), where neither `jax.random` nor
 PRNG is available. Every (request, layer, KV head, round, slot) gets its own value: draws are
 fresh each round and independent across heads and layers.
 
-The draw is the top 24 bits, an integer in [0, 2^24): exactly representable in float32, and a
-uniform U(0, 1) after division by 2^24. Selection ranks draws high to low; equal draws are
-ordered by slot, the lower (older) slot first.
+The draw is the top 24 bits, an integer in [0, 2^24): exactly representable in float32. Selection
+ranks draws high to low; equal draws are ordered by slot, the lower (older) slot first.
+`open_uniform` turns a draw into a float32 in the open interval (0, 1), for noise that goes
+through a logarithm (VaSE's Gumbel draws, TriAttention's tie-break).
 """
 
 from __future__ import annotations
@@ -30,8 +31,20 @@ def fmix32(h):
     return h ^ (h >> 16)
 
 
+def open_uniform(draws):
+    """Draws -> float32 uniforms on (0, 1), exactly: (draw // 2 + 1/2) / 2^23.
+
+    The top 23 bits keep `+ 1/2` exact in float32 (24 significant bits), so no value rounds to 0
+    or 1 (the largest is 1 - 2^-24): -log(-log(u)) stays finite. (`draw + 1/2` over 24 bits would
+    round half the draws and send the largest to exactly 1.0.)"""
+    half = (jnp.asarray(draws).astype(jnp.uint32) >> 1).astype(jnp.float32)
+    return (half + 0.5) / 2.0 ** (DRAW_BITS - 1)
+
+
 def eviction_draws(seed, row_seed, layer, head, round_index, slot):
-    """Draw in [0, 2^24) (uint32) for each broadcast combination of the integer counters."""
+    """Draw in [0, 2^24) (uint32) for each broadcast combination of the integer counters.
+
+    `round_index` identifies the round: the policies pass the row's generated count at it."""
     u32 = lambda x: jnp.asarray(x).astype(jnp.uint32)  # noqa: E731 (wraps negatives mod 2^32)
     h = fmix32(u32(seed) * jnp.uint32(_GOLDEN) + jnp.uint32(0x632BE5AB))
     for counter, multiplier in zip((row_seed, layer, head, round_index, slot), _COUNTER_MULTIPLIERS):

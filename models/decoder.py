@@ -11,9 +11,12 @@ What a layer differs by (all read from the config):
 - Phi-3: partial rotary (`rotary_dim < head_dim`), longrope; fused weights are split at conversion.
 - Tied embeddings: the logits reuse `embed.embedding`; otherwise a separate `lm_head`.
 
-Attention itself is pluggable (`attend`): the forward pass uses dense causal attention over the
-tokens it is given; the generation loop passes a function that writes into and reads from its
-KV buffer. Einsum letters, used everywhere:
+Attention itself is pluggable (`attend`, an `Attend`): the forward pass uses dense causal
+attention over the tokens it is given (`causal_attend`); the generation loop passes functions
+that write into and read from its KV buffer (`randkv_jax.decode`), calibration one that records
+queries. Each caller types its two pytrees: `inputs`, given to every layer unchanged (masks,
+positions, slots), and `cache`, carried through the layers and returned (a KV buffer, query
+sums, or None). Einsum letters, used everywhere:
   b batch, t query time, s key slot, e embed, h query heads, k kv heads, g query heads per kv
   head, d head dim, r rotary dim, f mlp hidden, v vocab, l layers.
 Parameter tree (shapes; `l` is the leading axis of everything under `layers`):
@@ -25,18 +28,48 @@ Parameter tree (shapes; `l` is the leading axis of everything under `layers`):
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import dataclasses
+from typing import Any, Protocol, TypeVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from randkv_jax.models.config import ModelConfig
 from randkv_jax.models.rope import apply_rope, rope_angles
 
-# attend(q [b,t,h,d], k [b,t,k,d], v [b,t,k,d], shared, state, layer) -> (ctx [b,t,h,d], state)
-AttendFn = Callable[..., tuple[jax.Array, Any]]
+Inputs = TypeVar("Inputs", contravariant=True)
+Cache = TypeVar("Cache")
+
+
+class Attend(Protocol[Inputs, Cache]):
+    """Attention of one layer, as the decoder calls it.
+
+    q [b, t, h, d] and k, v [b, t, k, d] are this call's tokens (after q/k norm and RoPE);
+    `inputs` is the caller's per-call pytree (the same for every layer); `cache` the pytree carried
+    through the layers (leaves with a leading layer axis are updated at `layer`). Returns the
+    context [b, t, h, d] and the updated cache.
+    """
+
+    def __call__(
+        self,
+        q: Float[Array, "b t h d"],
+        k: Float[Array, "b t k d"],
+        v: Float[Array, "b t k d"],
+        inputs: Inputs,
+        cache: Cache,
+        layer: Int[Array, ""],
+    ) -> tuple[Float[Array, "b t h d"], Cache]: ...
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DenseInputs:
+    """`causal_attend`'s inputs."""
+
+    mask: Bool[Array, "b t s"]
+    """Query t sees key s (causal and padding)."""
 
 _init = nn.initializers.normal(stddev=0.02)
 
@@ -48,17 +81,24 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return scale.astype(x.dtype) * normed.astype(x.dtype)
 
 
-def causal_attend(q, k, v, shared, state=None, layer=None):
-    """Dense attention over the call's own tokens. `shared` is a bool mask [b, t, s]."""
+def dense_attention(
+    q: Float[Array, "b t h d"], k: Float[Array, "b s k d"], v: Float[Array, "b s k d"], mask: Bool[Array, "b t s"]
+) -> Float[Array, "b t h d"]:
+    """Softmax attention of q over k, v where `mask` allows (float32 scores and softmax)."""
     b, t, h, d = q.shape
     groups = h // k.shape[2]
     qg = q.reshape(b, t, k.shape[2], groups, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (d**-0.5)
-    scores = jnp.where(shared[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     ctx = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return ctx.reshape(b, t, h, d).astype(q.dtype), state
+    return ctx.reshape(b, t, h, d).astype(q.dtype)
+
+
+def causal_attend(q, k, v, inputs: DenseInputs, cache: Any = None, layer=None):
+    """The forward pass's `Attend`: dense attention over the call's own tokens; the cache passes through."""
+    return dense_attention(q, k, v, inputs.mask), cache
 
 
 class RMSNorm(nn.Module):
@@ -85,12 +125,12 @@ class EmbeddingTable(nn.Module):
 
 class Attention(nn.Module):
     config: ModelConfig
-    attend: AttendFn
+    attend: Attend
     dtype: Any
     param_dtype: Any
 
     @nn.compact
-    def __call__(self, x, cos, sin, shared, state, layer):
+    def __call__(self, x, cos, sin, inputs, cache, layer):
         c = self.config
         e, h, k, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
 
@@ -108,10 +148,10 @@ class Attention(nn.Module):
                 key = rms_norm(key, k_scale, c.rms_norm_eps)
             q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
         with jax.named_scope("attend"):
-            ctx, state = self.attend(q, key, value, shared, state, layer)
+            ctx, cache = self.attend(q, key, value, inputs, cache, layer)
         with jax.named_scope("out_proj"):
             out = jnp.einsum("bthd,hde->bte", ctx, weight("o_proj", (h, d, e)))
-        return out, state
+        return out, cache
 
 
 class MLP(nn.Module):
@@ -133,47 +173,48 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     config: ModelConfig
-    attend: AttendFn
+    attend: Attend
     dtype: Any
     param_dtype: Any
 
     @nn.compact
-    def __call__(self, carry, cos, sin, shared):
-        x, state, layer = carry
+    def __call__(self, carry, cos, sin, inputs):
+        x, cache, layer = carry
         c = self.config
         with jax.named_scope("attention"):
             h = RMSNorm(c.rms_norm_eps, self.param_dtype, name="attn_norm")(x)
-            h, state = Attention(c, self.attend, self.dtype, self.param_dtype, name="attn")(
-                h, cos, sin, shared, state, layer
+            h, cache = Attention(c, self.attend, self.dtype, self.param_dtype, name="attn")(
+                h, cos, sin, inputs, cache, layer
             )
             x = x + h
         with jax.named_scope("mlp"):
             h = RMSNorm(c.rms_norm_eps, self.param_dtype, name="mlp_norm")(x)
             x = x + MLP(c, self.dtype, self.param_dtype, name="mlp")(h)
-        return (x, state, layer + 1), None
+        return (x, cache, layer + 1), None
 
 
 class Decoder(nn.Module):
     """Token ids -> float32 logits. Layers are stacked on a leading axis and scanned.
 
-    `state` (the generation loop's KV buffer, leaves with a leading `l` axis) is carried through
-    the layers whole: layer i's `attend` gets it with `layer=i` and updates its slice in place,
-    so no layer copies the buffer; `shared` is given to every layer as is (a mask, or metadata). `logit_index` ([b] ints) computes logits
-    only at one position per row (prefill of a generation), else at every position.
+    `cache` (e.g. the generation loop's KV buffer, leaves with a leading `l` axis) is carried
+    through the layers whole: layer i's `attend` gets it with `layer=i` and updates its slice in
+    place, so no layer copies the buffer; `inputs` is given to every layer as is. `logit_index`
+    ([b] ints) computes logits only at one position per row (prefill of a generation), else at
+    every position.
     """
 
     config: ModelConfig
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
-    attend: AttendFn = causal_attend
+    attend: Attend = causal_attend
 
     @nn.compact
     def __call__(
         self,
         tokens: Int[Array, "b t"],
         positions: Int[Array, "b t"],
-        shared: Any,
-        state: Any = None,
+        inputs: Any,
+        cache: Any = None,
         logit_index: Int[Array, " b"] | None = None,
     ):
         c = self.config
@@ -187,7 +228,7 @@ class Decoder(nn.Module):
             in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
             length=c.num_layers,
         )(c, self.attend, self.dtype, self.param_dtype, name="layers")
-        (x, state, _), _ = layers((x, state, jnp.int32(0)), cos, sin, shared)
+        (x, cache, _), _ = layers((x, cache, jnp.int32(0)), cos, sin, inputs)
         x = RMSNorm(c.rms_norm_eps, self.param_dtype, name="final_norm")(x)
         if logit_index is not None:
             x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)[:, 0]
@@ -198,5 +239,5 @@ class Decoder(nn.Module):
                 head = self.param("lm_head", _init, (c.hidden_size, c.vocab_size), self.param_dtype)
                 head = head.astype(self.dtype)
             logits = jnp.einsum("...e,ev->...v", x, head, preferred_element_type=jnp.float32)
-        return logits, state
+        return logits, cache
 

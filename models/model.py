@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from randkv_jax.models.config import ModelConfig
-from randkv_jax.models.decoder import Decoder
+from randkv_jax.models.decoder import Decoder, DenseInputs
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -37,10 +37,6 @@ class Model:
     dtype: Any = jnp.bfloat16  # compute dtype; parameters are stored in it too
 
     @property
-    def decoder(self) -> Decoder:
-        return Decoder(self.config, dtype=self.dtype, param_dtype=self.dtype)
-
-    @property
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(self.params))
 
@@ -49,8 +45,7 @@ def init_params(config: ModelConfig, rng: jax.Array, dtype: Any = jnp.float32) -
     """Random parameters (normal(0.02) weights, unit norms) for `config`."""
     decoder = Decoder(config, dtype=dtype, param_dtype=dtype)
     tokens = jnp.zeros((1, 1), jnp.int32)
-    mask = jnp.ones((1, 1, 1), bool)
-    return decoder.init(rng, tokens, tokens, mask)["params"]
+    return decoder.init(rng, tokens, tokens, DenseInputs(jnp.ones((1, 1, 1), bool)))["params"]
 
 
 def abstract_params(config: ModelConfig, dtype: Any = jnp.float32) -> Any:
@@ -70,7 +65,7 @@ def _forward(params, tokens, attention_mask, *, config, dtype):
     causal = jnp.tril(jnp.ones((t, t), bool))
     mask = causal[None] & attention_mask[:, None, :]
     decoder = Decoder(config, dtype=dtype, param_dtype=dtype)
-    logits, _ = decoder.apply({"params": params}, tokens, positions_from_mask(attention_mask), mask)
+    logits, _ = decoder.apply({"params": params}, tokens, positions_from_mask(attention_mask), DenseInputs(mask))
     return logits
 
 

@@ -32,20 +32,20 @@ from jaxtyping import Array, Float, Int
 __all__ = ["buffer_attention"]
 
 
-def _slice_slots(x: jax.Array, layer, start: jax.Array, size: int, step: jax.Array) -> jax.Array:
+def _slice_slots(x: jax.Array, layer, start: jax.Array, size: int, step: jax.Array, as_bits: bool) -> jax.Array:
     """`x[:, :, start:start + size]`, or `x[layer, :, :, start:start + size]` when `layer` is given,
     inside the loop body (`step` is the loop index).
 
     Slicing the stacked [l, ...] buffer directly (rather than `x[layer]` first) reads only the
     block: no per-layer copy of the buffer is made.
 
-    XLA:CPU's float normalization does not take a 16-bit-float `dynamic-slice`: it converts the
-    operand, the *whole* buffer, to float32, and loop-invariant code motion hoists that convert
-    out of the loop, so every call pays for the capacity (measured: 298 ms instead of 5.5 ms per
-    call at 1k filled / 16k slots, B=4, H=16, Hkv=8, D=128).
-    On CPU the block is therefore sliced as same-width unsigned ints, and the bitcast is tied to
-    the loop index through an `optimization_barrier` so that it is not hoisted (and materialised
-    over the whole buffer) either. Same data, no extra work; other backends slice directly.
+    `as_bits` (the decode loop sets it on CPU): XLA:CPU's float normalization does not take a
+    16-bit-float `dynamic-slice`: it converts the operand, the *whole* buffer, to float32, and
+    loop-invariant code motion hoists that convert out of the loop, so every call pays for the
+    capacity (measured: 298 ms instead of 5.5 ms per call at 1k filled / 16k slots, B=4, H=16,
+    Hkv=8, D=128). With `as_bits` a 16-bit float block is sliced as same-width unsigned ints,
+    and the bitcast is tied to the loop index through an `optimization_barrier` so that it is not
+    hoisted (and materialised over the whole buffer) either. Same data, no extra work.
     """
 
     def cut(a):
@@ -54,7 +54,7 @@ def _slice_slots(x: jax.Array, layer, start: jax.Array, size: int, step: jax.Arr
         index = (layer, 0, 0, start) + (0,) * (a.ndim - 4)
         return jax.lax.dynamic_slice(a, index, (1, *a.shape[1:3], size, *a.shape[4:]))[0]
 
-    if jax.default_backend() == "cpu" and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 2:
+    if as_bits and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 2:
         x, _ = jax.lax.optimization_barrier((x, step))
         return jax.lax.bitcast_convert_type(cut(jax.lax.bitcast_convert_type(x, jnp.uint16)), x.dtype)
     return cut(x)
@@ -70,6 +70,7 @@ def buffer_attention(
     *,
     block_size: int = 256,
     layer: Int[Array, ""] | None = None,
+    slice_as_bits: bool = False,
 ) -> Float[Array, "b t h d"]:
     """Softmax attention of `q` over the first `n_filled` slots of a KV buffer.
 
@@ -82,6 +83,8 @@ def buffer_attention(
       block_size: static number of slots per loop step (`min(block_size, s)` is used).
       layer: when given, `keys`/`values` are the stacked buffer [l, b, k, s, d] and
         `slot_positions` [l, b, k, s], and layer `layer` is read (the decode loop's case).
+      slice_as_bits: slice 16-bit float blocks as uint16 (the XLA:CPU workaround of
+        `_slice_slots`; static, chosen by the caller for the platform it builds for).
 
     Returns:
       ctx [b, t, h, d] in `q.dtype`. Query t sees slot j of kv head k iff
@@ -129,9 +132,9 @@ def buffer_attention(
             m, l, acc = carry
             nominal = i * bs
             start = jnp.minimum(nominal, s - bs)  # the tail block re-reads a few covered slots
-            k_blk = _slice_slots(keys, layer, start, bs, i)  # [b, k, bs, d]
-            v_blk = _slice_slots(values, layer, start, bs, i)
-            pos = _slice_slots(slot_positions, layer, start, bs, i)  # [b, k, bs]
+            k_blk = _slice_slots(keys, layer, start, bs, i, slice_as_bits)  # [b, k, bs, d]
+            v_blk = _slice_slots(values, layer, start, bs, i, slice_as_bits)
+            pos = _slice_slots(slot_positions, layer, start, bs, i, slice_as_bits)  # [b, k, bs]
             idx = start + offsets
             live = ((idx >= nominal) & (idx < n))[None, None, :] & (pos >= 0)  # [b, k, bs]
             visible = live[:, :, None, None, :] & (pos[:, :, None, None, :] <= qpos)  # [b,k,1,t,bs]

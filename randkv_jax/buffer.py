@@ -8,10 +8,10 @@ Layout (l layers, b rows, k KV heads, s slots, d head dim):
 - `fill` [b]: slots in use. Every layer and head of a row holds entries in slots [0, fill) only,
   in chronological order (prefill writes the prompt at slots [0, P); each generated token is
   appended at slot `fill`; compaction keeps order). All heads of a row hold the same number of
-  entries, so one `fill` per row serves them all.
-
-A new token's RoPE position is its true position in the sequence (`prompt_len + generated`),
-never its slot.
+  entries, so one `fill` per row serves them all;
+- `generated` [b]: generated tokens written to the row so far. The next token's RoPE position is
+  its true position in the sequence, `prompt_lens + generated`, never its slot; eviction rounds
+  and their random draws follow this per-row count.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ class KVBuffer:
     """Prompt length per row."""
     fill: Int[Array, " b"]
     """Slots in use per row (entries live in [0, fill))."""
+    generated: Int[Array, " b"]
+    """Generated tokens written per row (the next one goes to position prompt_lens + generated)."""
 
     @classmethod
     def empty(cls, config: ModelConfig, batch: int, capacity: int, dtype: Any) -> KVBuffer:
@@ -49,6 +51,7 @@ class KVBuffer:
             positions=jnp.full(shape, -1, jnp.int32),
             prompt_lens=jnp.zeros((batch,), jnp.int32),
             fill=jnp.zeros((batch,), jnp.int32),
+            generated=jnp.zeros((batch,), jnp.int32),
         )
 
     @property
@@ -69,19 +72,15 @@ class KVBuffer:
         return 2 * l * k * d * self.keys.dtype.itemsize
 
 
-def compaction_order(keep: Bool[Array, "l b k s"]) -> Int[Array, "l b k s"]:
-    """Slot permutation bringing kept slots to the front in their old (chronological) order."""
-    return jnp.argsort(~keep, axis=-1, stable=True)
-
-
-def compact(buffer: KVBuffer, keep: Bool[Array, "l b k s"]) -> KVBuffer:
+def compact(buffer: KVBuffer, keep: Bool[Array, "l b k s"]) -> tuple[KVBuffer, Int[Array, "l b k s"]]:
     """Keep the `keep` slots of every layer/row/head, moved to the front in their old order.
 
     Every (layer, head) of a row must keep the same number of slots; that number becomes the
-    row's `fill`. Freed slots become empty (-1).
+    row's `fill`. Freed slots become empty (-1). Returns the buffer and the slot permutation
+    applied (new slot j holds old slot `order[..., j]`), so per-slot state can follow it.
     """
     keep = keep & buffer.valid
-    order = compaction_order(keep)
+    order = jnp.argsort(~keep, axis=-1, stable=True)  # kept slots first, in their old order
     kept = jnp.sum(keep, axis=-1, dtype=jnp.int32)  # [l, b, k]
     in_use = jnp.arange(buffer.capacity) < kept[..., None]
     positions = jnp.where(in_use, jnp.take_along_axis(buffer.positions, order, axis=-1), -1)
@@ -92,4 +91,4 @@ def compact(buffer: KVBuffer, keep: Bool[Array, "l b k s"]) -> KVBuffer:
         values=gather(buffer.values),
         positions=positions,
         fill=kept[0, :, 0],
-    )
+    ), order

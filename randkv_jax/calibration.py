@@ -49,7 +49,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from randkv_jax.models.config import ModelConfig
-from randkv_jax.models.decoder import Decoder, causal_attend
+from randkv_jax.models.decoder import Decoder, dense_attention
 from randkv_jax.models.model import Model
 from randkv_jax.models.rope import inverse_frequencies, rope_angles
 
@@ -125,12 +125,12 @@ def _blocked_causal(q, k, v, block: int):
     """Causal attention of q [b, t, h, d] over k, v [b, t, k, d], `block` queries at a time."""
     b, t = q.shape[:2]
     if t <= block:
-        return causal_attend(q, k, v, jnp.tril(jnp.ones((t, t), bool))[None].repeat(b, 0))[0]
+        return dense_attention(q, k, v, jnp.tril(jnp.ones((t, t), bool))[None].repeat(b, 0))
 
     def one(start):
         qi = jax.lax.dynamic_slice_in_dim(q, start, block, axis=1)
         mask = jnp.arange(t)[None, :] <= (start + jnp.arange(block))[:, None]
-        return causal_attend(qi, k, v, jnp.broadcast_to(mask[None], (b, block, t)))[0]
+        return dense_attention(qi, k, v, jnp.broadcast_to(mask[None], (b, block, t)))
 
     ctx = jax.lax.map(one, jnp.arange(0, t, block))  # [t / block, b, block, h, d]
     return ctx.transpose(1, 0, 2, 3, 4).reshape(q.shape)
@@ -152,6 +152,25 @@ def unrotate_pairs(
     return (re * c + im * s) * inv, (im * c - re * s) * inv
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RopeTables:
+    """The calibration pass's `Attend` inputs: the sequence's RoPE tables (scaling folded in)."""
+
+    cos: Float[Array, "1 t r"]
+    sin: Float[Array, "1 t r"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuerySums:
+    """The calibration pass's cache: per-layer sums of the pre-RoPE query pairs."""
+
+    real: Float[Array, "l h f"]
+    imag: Float[Array, "l h f"]
+    abs: Float[Array, "l h f"]
+
+
 @functools.partial(jax.jit, static_argnames=("config", "dtype"))
 def _sequence_sums(params, tokens: Int[Array, "1 t"], n_valid, *, config: ModelConfig, dtype: Any):
     """Sums over the first `n_valid` tokens of (Re q_f, Im q_f, |q_f|) per layer and head: 3 x [l, h, f]."""
@@ -162,20 +181,19 @@ def _sequence_sums(params, tokens: Int[Array, "1 t"], n_valid, *, config: ModelC
     valid = (positions < n_valid)[..., None, None]  # [1, t, 1, 1]
     block = min(QUERY_BLOCK, t)
 
-    def attend(q, k, v, shared, state, layer):
-        cos, sin = shared
-        re, im = unrotate_pairs(q, cos, sin, scaling)
-        sums = [jnp.where(valid, x, 0.0).sum(axis=(0, 1)) for x in (re, im, jnp.sqrt(re * re + im * im))]
-        state = tuple(acc.at[layer].set(x) for acc, x in zip(state, sums))
-        return _blocked_causal(q, k, v, block), state
+    def attend(q, k, v, inputs: RopeTables, sums: QuerySums, layer):
+        re, im = unrotate_pairs(q, inputs.cos, inputs.sin, scaling)
+        add = lambda acc, x: acc.at[layer].set(jnp.where(valid, x, 0.0).sum(axis=(0, 1)))  # noqa: E731
+        sums = QuerySums(add(sums.real, re), add(sums.imag, im), add(sums.abs, jnp.sqrt(re * re + im * im)))
+        return _blocked_causal(q, k, v, block), sums
 
-    f = config.rotary_dim // 2
-    zeros = jnp.zeros((config.num_layers, config.num_heads, f), jnp.float32)
+    zeros = jnp.zeros((config.num_layers, config.num_heads, config.rotary_dim // 2), jnp.float32)
     decoder = Decoder(config, dtype, dtype, attend=attend)
     _, sums = decoder.apply(
-        {"params": params}, tokens, positions, (cos, sin), (zeros, zeros, zeros), logit_index=jnp.zeros((1,), jnp.int32)
+        {"params": params}, tokens, positions, RopeTables(cos, sin), QuerySums(zeros, zeros, zeros),
+        logit_index=jnp.zeros((1,), jnp.int32),
     )
-    return sums
+    return sums.real, sums.imag, sums.abs
 
 
 def query_statistics(model: Model, token_ids: Sequence[int], chunk: int | None = None) -> dict[str, np.ndarray]:

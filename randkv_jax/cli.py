@@ -56,9 +56,20 @@ def _policy(args: argparse.Namespace):
     """The policy named by --policy, given the options its dataclass has (others keep defaults)."""
     from randkv_jax import policies
 
+    if args.convention is not None:
+        raise ValueError(
+            f"--convention is gone ({args.convention}): --budget is now the entries held per KV head after a "
+            "round, prompt and window included (the engine's token_budget); the old text convention's "
+            "--budget K is --selected K, the vLLM plugin's KV_BUDGET is --budget with --window and --interval"
+        )
+    if args.budget is not None and args.selected is not None:
+        raise ValueError("give --budget (entries held, window included) or --selected (budget minus window), not both")
+    window = args.window or args.buffer or 64
+    interval = args.interval or args.buffer or window
+    budget = args.budget if args.selected is None else args.selected + window
     fields = policies.fields_of(args.policy)
-    options = {"budget": args.budget, "buffer": args.buffer, "protect": args.protect,
-               "convention": args.convention, "seed": args.seed, "preset": args.preset}
+    options = {"budget": budget, "window": window, "interval": interval, "protect": args.protect,
+               "seed": args.seed, "preset": args.preset}
     kwargs = {k: v for k, v in options.items() if k in fields and v is not None}
     if "stats" in fields:
         from randkv_jax.calibration import default_stats_dir
@@ -79,7 +90,7 @@ def _generate(args: argparse.Namespace) -> None:
     print(f"model: {args.model or DEFAULT_MODEL}; policy: {policy}", flush=True)
     model = load_model(args.model, dtype=args.dtype)
     template_kwargs = {} if args.enable_thinking is None else {"enable_thinking": args.enable_thinking}
-    with tqdm(total=args.max_new_tokens, desc="decoding", unit="tok", leave=False) as bar:
+    with tqdm(total=args.max_new_tokens, desc="decode steps (batch)", unit="step", leave=False) as bar:
         def progress(done: int, total: int) -> None:
             bar.update(done - bar.n)
 
@@ -91,8 +102,9 @@ def _generate(args: argparse.Namespace) -> None:
     for i, (prompt, stats) in enumerate(zip(prompts, result.stats)):
         answer = result.texts[i] if result.texts is not None else str(result.tokens[i])
         print(f"\n### [{i}] {prompt}\n{answer.strip()}")
-        print(f"    ({stats.new_tokens} new tokens, {stats.evictions} eviction rounds, "
-              f"peak {stats.peak_slots} KV slots)")
+        after = f", {stats.held_after_round} entries per KV head after each" if stats.evictions else ""
+        print(f"    ({stats.new_tokens} new tokens, {stats.evictions} eviction rounds{after}, "
+              f"peak {stats.peak_slots} entries)")
     held = sum(s.kv_bytes for s in result.stats)
     full = sum(s.kv_bytes_full for s in result.stats)
     print(f"\ndecode: {result.decode_tokens_per_second:.1f} tokens/s over {len(prompts)} rows; "
@@ -108,15 +120,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None, help="checkpoint (default: the embedded SmolLM2-135M-Instruct)")
     gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
     gen.add_argument("--policy", default="random", help="eviction policy name (see randkv_jax.policies)")
-    gen.add_argument("--budget", type=int, default=1024, help="K: generated entries kept per head")
-    gen.add_argument("--buffer", type=int, default=64, help="r: recency window and round interval")
+    gen.add_argument("--budget", type=int, default=None,
+                     help="T: entries each KV head holds right after a round, prompt and window included "
+                          "(the paper's K, its engine's token_budget; default 1024)")
+    gen.add_argument("--selected", type=int, default=None,
+                     help="the budget stated as its selected part: T = SELECTED + window (the probes' 'K=1024 + W=64')")
+    gen.add_argument("--buffer", type=int, default=None, help="sets --window and --interval both (default 64)")
+    gen.add_argument("--window", type=int, default=None, help="w: newest entries never evicted")
+    gen.add_argument("--interval", type=int, default=None, help="i: generated tokens between rounds (default: window)")
     gen.add_argument("--protect", default=None,
                      help="prompt | sinks:N | none (default: the policy's published regime)")
     gen.add_argument("--preset", default=None, help="a policy's named preset (snapkv, rkv, vase: paper | ...)")
     gen.add_argument("--stats", default=None,
                      help="TriAttention statistics (default: <model>/triattention_stats from `randkv calibrate`)")
-    gen.add_argument("--convention", default="text", choices=["text", "engine", "vllm"],
-                     help="what --budget counts (see docs/policies.md)")
+    gen.add_argument("--convention", default=None, help=argparse.SUPPRESS)  # refused with the new equivalent
     gen.add_argument("--max-new-tokens", type=int, default=512)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)

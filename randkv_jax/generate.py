@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from randkv_jax.decode import DecodeSpec, LoopState, decode_chunk, finished, padded_capacity, prefill
+from randkv_jax.decode import DecodeSpec, LoopState, decode_chunk, padded_capacity, platform_of, prefill
 from randkv_jax.models.model import Model
 from randkv_jax.policies import RandomAttention
 from randkv_jax.sampling import SamplingParams
@@ -25,8 +25,9 @@ class RowStats:
 
     prompt_tokens: int
     new_tokens: int
-    evictions: int
-    peak_slots: int
+    evictions: int  # eviction rounds run on the row
+    held_after_round: int  # entries each layer and KV head held right after the last round (0: none ran)
+    peak_slots: int  # most entries any layer and KV head held
     kv_bytes: int  # peak bytes held: peak_slots slots
     kv_bytes_full: int  # bytes a full cache holds for the same sequence (prompt + new tokens)
 
@@ -37,7 +38,7 @@ class GenerationResult:
     tokens: list[list[int]]  # generated ids per row (prompt excluded, stop token included)
     stats: list[RowStats]
     decode_seconds: float  # wall time of the decode loop after its first chunk (prefill, compile excluded)
-    decode_steps: int  # decode steps timed in decode_seconds
+    decode_steps: int  # decode steps of the batch timed in decode_seconds
     state: LoopState | None = None  # the final loop state, when asked for (tests, probes)
 
     @property
@@ -99,17 +100,18 @@ def generate(
         randomness depend only on its seed, not on the batch.
       stop_tokens: extra stop ids besides the tokenizer's and config's EOS ids.
       ignore_eos: do not stop at EOS (fixed-length runs: benchmarks, probes); `stop_tokens` still stop.
-      capacity: declare the buffer's slot count; refused if the prompts and policy need more.
+      capacity: the buffer's slot count (e.g. to share one compilation between calls); refused
+        if the prompts and policy need more. Default: what they need, rounded up to attention blocks.
       chunk: decode steps per device call (between progress reports).
-      progress: called as progress(generated_steps, max_new_tokens) after each chunk.
+      progress: called as progress(steps, max_new_tokens) after each chunk, `steps` being the
+        batch's decode steps so far (+1 for the prefill's token): its progress towards the cap.
     """
     from randkv_jax import policies
 
     policy = RandomAttention() if policy is None else policy
     if isinstance(policy, str):
         policy = policies.get(policy)
-    if isinstance(policy, policies.EvictionPolicy):
-        policy.check_model(model.config)
+    policy.check_model(model.config)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     ids = encode_prompts(model, prompts, chat, **template_kwargs)
@@ -120,15 +122,15 @@ def generate(
 
     longest = max(len(p) for p in ids)
     padded_len = -(-longest // PROMPT_BUCKET) * PROMPT_BUCKET
-    needed = padded_capacity(policy, padded_len, max_new_tokens)
-    if capacity is not None:
-        if capacity < policy.capacity(longest, max_new_tokens):
-            raise ValueError(
-                f"declared capacity {capacity} is too small: the longest prompt ({longest} tokens) with "
-                f"{type(policy).__name__} and max_new_tokens={max_new_tokens} needs "
-                f"{policy.capacity(longest, max_new_tokens)} slots"
-            )
-        needed = max(needed, padded_capacity(policy, longest, max_new_tokens))
+    # prefill writes the padded prompt; no row holds more than the policy's capacity for it
+    needed = max(padded_len, policy.capacity(longest, max_new_tokens))
+    if capacity is None:  # (>= padded_len: blocks of 128 are whole multiples of the 64-token bucket)
+        capacity = padded_capacity(policy, longest, max_new_tokens)
+    elif capacity < needed:
+        raise ValueError(
+            f"capacity {capacity} is too small: the longest prompt ({longest} tokens, padded to {padded_len}) "
+            f"with {policy} and max_new_tokens={max_new_tokens} needs {needed} slots"
+        )
     prompt_array = np.zeros((b, padded_len), np.int32)
     for row, p in enumerate(ids):
         prompt_array[row, : len(p)] = p
@@ -136,21 +138,22 @@ def generate(
     spec = DecodeSpec(
         config=model.config, dtype=model.dtype, policy=policy,
         sampling=SamplingParams(temperature, top_p, top_k), max_new_tokens=max_new_tokens,
-        stop_ids=_stop_ids(model, stop_tokens, ignore_eos), pad_id=_pad_id(model),
+        stop_ids=_stop_ids(model, stop_tokens, ignore_eos), pad_id=_pad_id(model), platform=platform_of(model.params),
     )
     lens = jnp.asarray([len(p) for p in ids], jnp.int32)
     state = prefill(model.params, jnp.asarray(prompt_array), lens, jnp.asarray(seeds, jnp.int32),
-                    spec=spec, capacity=needed)
+                    spec=spec, capacity=capacity)
     start, start_step = None, 0
-    while not bool(finished(state, spec)):
+    while not bool(jnp.all(state.done)):
         state = decode_chunk(model.params, state, jnp.int32(chunk), spec=spec)
-        step = int(state.step)  # waits for the chunk
+        step = int(jnp.max(state.buffer.generated))  # waits for the chunk
         if start is None:  # time from the end of the first chunk: compilation is not decoding
             start, start_step = time.perf_counter(), step
         if progress is not None:
             progress(step + 1, max_new_tokens)
     seconds = 0.0 if start is None else time.perf_counter() - start
-    return _result(model, ids, state, seconds, int(state.step) - start_step, return_state)
+    steps = int(jnp.max(state.buffer.generated)) - start_step
+    return _result(model, ids, state, seconds, steps, return_state)
 
 
 def _stop_ids(model: Model, extra: Sequence[int], ignore_eos: bool) -> tuple[int, ...]:
@@ -175,10 +178,11 @@ def _result(model: Model, ids, state: LoopState, seconds: float, steps: int, ret
     per_slot = state.buffer.bytes_per_slot()
     stats = [
         RowStats(
-            prompt_tokens=len(p), new_tokens=int(n), evictions=int(e), peak_slots=int(s),
+            prompt_tokens=len(p), new_tokens=int(n), evictions=int(e), held_after_round=int(h), peak_slots=int(s),
             kv_bytes=int(s) * per_slot, kv_bytes_full=(len(p) + int(n)) * per_slot,
         )
-        for p, n, e, s in zip(ids, n_new, np.asarray(state.evictions), np.asarray(state.peak_slots))
+        for p, n, e, h, s in zip(ids, n_new, np.asarray(state.evictions), np.asarray(state.held_after_round),
+                                 np.asarray(state.peak_slots))
     ]
     texts = None if model.tokenizer is None else model.tokenizer.batch_decode(tokens)
     return GenerationResult(texts, tokens, stats, seconds, steps, state if return_state else None)

@@ -4,7 +4,7 @@ A policy declares its needs (`ScoringNeeds`); the loop then carries an `Observat
 with just those fields (Random Attention needs nothing, so its loop state and compiled program
 have no trace of them):
 - `queries` [l, b, h, w, d]: the last w post-RoPE queries of every layer and query head, a ring
-  indexed by `step % w` (SnapKV, R-KV, VaSE, TOVA, TriAttention's window);
+  indexed per row by `generated % w` (SnapKV, R-KV, VaSE, TOVA);
 - `attention_sum` [l, b, k, s] float32: each slot's attention summed over steps and over the
   query heads of its KV head (H2O's heavy-hitter score). It moves with its slot at compaction.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from randkv_jax.models.config import ModelConfig
 
@@ -37,7 +37,8 @@ class ScoringNeeds:
 @dataclasses.dataclass(frozen=True)
 class Observations:
     queries: Float[Array, "l b h w d"] | None = None
-    """Ring of the last w post-RoPE queries; entry `step % w` is written at decode step `step`."""
+    """Ring of the last w post-RoPE queries; a row's entry `generated % w` is written by the step
+    that feeds its token number `generated` (0-based count of generated tokens in the buffer)."""
     attention_sum: Float[Array, "l b k s"] | None = None
     """Accumulated attention per slot (prefill and decode queries)."""
 
@@ -70,14 +71,17 @@ def slot_attention(q, keys, positions, query_positions) -> Float[Array, "b k t s
     return probs.sum(axis=2)
 
 
-def record_decode(obs: Observations | None, layer, step, q, keys, positions, query_positions):
-    """Record one decode step's queries q [b, 1, h, d] (and attention) for `layer`."""
+def record_decode(obs: Observations | None, layer, generated, q, keys, positions, query_positions):
+    """Record one decode step's queries q [b, 1, h, d] (and attention) for `layer`.
+
+    generated [b]: each row's generated count before this step (its ring index, modulo w)."""
     if obs is None:
         return None
     queries, attention_sum = obs.queries, obs.attention_sum
     if queries is not None:
-        ring = step % queries.shape[3]
-        queries = queries.at[layer, :, :, ring].set(q[:, 0].astype(queries.dtype))
+        rows = jnp.arange(q.shape[0])
+        ring = generated % queries.shape[3]
+        queries = queries.at[layer, rows, :, ring].set(q[:, 0].astype(queries.dtype))
     if attention_sum is not None:
         probs = slot_attention(q, keys[layer], positions[layer], query_positions)[:, :, 0]
         attention_sum = attention_sum.at[layer].add(probs)
@@ -96,10 +100,10 @@ def record_prefill(obs: Observations | None, layer, q, k, token_positions):
     return dataclasses.replace(obs, attention_sum=attention_sum)
 
 
-def reorder(obs: Observations | None, order, kept: Bool[Array, "l b k s"]):
-    """Move per-slot observations with their slots (`order` from the buffer's compaction)."""
+def reorder(obs: Observations | None, order: Int[Array, "l b k s"], valid: Bool[Array, "l b k s"]):
+    """Move per-slot observations with their slots: `order` is the permutation `buffer.compact`
+    applied, `valid` the compacted buffer's valid slots (the others are zeroed)."""
     if obs is None or obs.attention_sum is None:
         return obs
-    in_use = jnp.arange(kept.shape[-1]) < jnp.sum(kept, axis=-1, keepdims=True)
     moved = jnp.take_along_axis(obs.attention_sum, order, axis=-1)
-    return dataclasses.replace(obs, attention_sum=jnp.where(in_use, moved, 0.0))
+    return dataclasses.replace(obs, attention_sum=jnp.where(valid, moved, 0.0))

@@ -1,6 +1,7 @@
 """Next-token sampling: greedy, temperature, top-k and top-p, one PRNG stream per request.
 
-Each row draws from its own key, `fold_in(key(row_seed), step)`, and rows are sampled
+Each row draws from its own key, `fold_in(key(row_seed), n)` with n the row's own count of
+generated tokens before this one, and rows are sampled
 independently (`vmap`), so a request's tokens do not depend on the batch it runs in. The order of
 the filters is transformers': temperature, then top-k, then top-p.
 """
@@ -55,15 +56,16 @@ def filter_logits(logits: Float[Array, " v"], params: SamplingParams) -> Float[A
 def sample_tokens(
     logits: Float[Array, "b v"],
     row_keys: jax.Array,
-    step: Int[Array, ""],
+    counts: Int[Array, " b"],
     params: SamplingParams,
 ) -> Int[Array, " b"]:
-    """One token per row. `row_keys` [b] are the requests' base keys; `step` is folded in."""
+    """One token per row. `row_keys` [b] are the requests' base keys; each row's `counts` (its
+    generated tokens so far) is folded into its key."""
     if params.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-    def one(row_logits, key):
-        key = jax.random.fold_in(key, step)
+    def one(row_logits, key, count):
+        key = jax.random.fold_in(key, count)
         return jax.random.categorical(key, filter_logits(row_logits, params)).astype(jnp.int32)
 
-    return jax.vmap(one)(logits, row_keys)
+    return jax.vmap(one)(logits, row_keys, counts)

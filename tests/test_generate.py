@@ -57,7 +57,7 @@ def test_random_attention_with_room_for_everything_equals_full(tiny):
     _, model = tiny
     prompts = _prompts()
     full = randkv_jax.generate(model, prompts, policy=FullAttention(), max_new_tokens=64, chat=False)
-    roomy = randkv_jax.generate(model, prompts, policy=RandomAttention(budget=48, buffer=16),
+    roomy = randkv_jax.generate(model, prompts, policy=RandomAttention(budget=96, buffer=16),
                                 max_new_tokens=64, chat=False)
     assert roomy.tokens == full.tokens
     assert all(s.evictions == 0 for s in roomy.stats)
@@ -65,20 +65,21 @@ def test_random_attention_with_room_for_everything_equals_full(tiny):
 
 def test_small_budget_bounds_the_buffer(tiny):
     _, model = tiny
-    K, r = 16, 8
+    T, r = 24, 8
     prompts = _prompts()
-    out = randkv_jax.generate(model, prompts, policy=RandomAttention(budget=K, buffer=r),
+    out = randkv_jax.generate(model, prompts, policy=RandomAttention(budget=T, buffer=r),
                               max_new_tokens=96, chat=False, return_state=True)
     held = np.asarray(out.state.buffer.slots_held())
+    assert out.state.buffer.capacity == 128  # max(P, T) + r = 32 slots needed, one attention block
     for row, (p, s) in enumerate(zip(prompts, out.stats)):
-        assert s.peak_slots <= len(p) + K + 2 * r
-        assert (held[:, row] <= len(p) + K + 2 * r).all()
-        assert (held[:, row] >= len(p)).all()
+        assert s.peak_slots <= max(len(p), T) + r
+        assert (held[:, row] <= max(len(p), T) + r).all()
         if s.new_tokens == 96:
-            assert s.evictions > 0
+            assert s.evictions > 0 and s.held_after_round == T
             assert s.kv_bytes < s.kv_bytes_full
         positions = np.asarray(out.state.buffer.positions)[:, row]
-        assert all(set(range(len(p))) <= set(positions[l, h].tolist())
+        pinned = set(range(min(len(p), T - r - 1)))
+        assert all(pinned <= set(positions[l, h].tolist())
                    for l in range(positions.shape[0]) for h in range(positions.shape[1]))
 
 
@@ -86,7 +87,7 @@ def test_rows_do_not_depend_on_the_batch(tiny):
     _, model = tiny
     prompts = _prompts((9, 14, 6, 20), seed=4)
     seeds = [101, 102, 103, 104]
-    policy = RandomAttention(budget=12, buffer=8)
+    policy = RandomAttention(budget=20, buffer=8)
     for temperature in (0.0, 1.0):
         kw = dict(policy=policy, max_new_tokens=60, chat=False, temperature=temperature,
                   ignore_eos=True, return_state=True)  # both runs take the same number of steps
@@ -102,7 +103,7 @@ def test_rows_do_not_depend_on_the_batch(tiny):
 def test_same_seed_reruns_identically_and_sampling_uses_the_seed(tiny):
     _, model = tiny
     prompts = _prompts()
-    kw = dict(policy=RandomAttention(budget=12, buffer=8), max_new_tokens=48, chat=False, temperature=1.0, top_p=0.9)
+    kw = dict(policy=RandomAttention(budget=20, buffer=8), max_new_tokens=48, chat=False, temperature=1.0, top_p=0.9)
     a = randkv_jax.generate(model, prompts, seed=[1, 2, 3], **kw)
     b = randkv_jax.generate(model, prompts, seed=[1, 2, 3], **kw)
     c = randkv_jax.generate(model, prompts, seed=[4, 5, 6], **kw)
@@ -111,11 +112,20 @@ def test_same_seed_reruns_identically_and_sampling_uses_the_seed(tiny):
 
 def test_second_call_with_the_same_shapes_does_not_compile(tiny):
     _, model = tiny
-    kw = dict(policy=RandomAttention(budget=12, buffer=8), max_new_tokens=40, chat=False)
+    kw = dict(policy=RandomAttention(budget=20, buffer=8), max_new_tokens=40, chat=False)
     randkv_jax.generate(model, _prompts(seed=1), **kw)
     sizes = prefill._cache_size(), decode_chunk._cache_size()
     randkv_jax.generate(model, _prompts(seed=2), **kw)  # other tokens, same lengths bucket
     assert (prefill._cache_size(), decode_chunk._cache_size()) == sizes
+
+
+def test_capacity_sets_the_buffer_size(tiny):
+    _, model = tiny
+    kw = dict(policy=RandomAttention(budget=20, buffer=8), max_new_tokens=30, chat=False, return_state=True)
+    exact = randkv_jax.generate(model, _prompts(), capacity=64, **kw)  # one compilation for any prompts <= 64
+    default = randkv_jax.generate(model, _prompts(), **kw)
+    assert exact.state.buffer.capacity == 64 and default.state.buffer.capacity == 128
+    assert exact.tokens == default.tokens
 
 
 def test_bad_input(tiny):
@@ -124,11 +134,11 @@ def test_bad_input(tiny):
         randkv_jax.generate(model, [], chat=False)
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
         randkv_jax.generate(model, _prompts(), policy="nope", chat=False)
-    with pytest.raises(ValueError, match="declared capacity 20 is too small"):
-        randkv_jax.generate(model, _prompts(), policy=FullAttention(), capacity=20, max_new_tokens=8, chat=False)
+    with pytest.raises(ValueError, match=r"capacity 40 is too small: the longest prompt \(17 tokens, padded to 64\)"):
+        randkv_jax.generate(model, _prompts(), policy=FullAttention(), capacity=40, max_new_tokens=8, chat=False)
     with pytest.raises(ValueError, match="no tokenizer"):
         randkv_jax.generate(model, ["a string prompt"])
     with pytest.raises(ValueError, match="budget must be a positive"):
         policies.get("random", budget=0)
-    with pytest.raises(ValueError, match="buffer must be a positive"):
+    with pytest.raises(ValueError, match="window must be a positive"):
         RandomAttention(buffer=-1)

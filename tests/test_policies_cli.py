@@ -25,11 +25,31 @@ def tiny_dir(tmp_path_factory):
 @pytest.mark.parametrize("name", policies.available())
 def test_generate_cli_runs_every_policy(tiny_dir, name, capsys):
     argv = ["generate", "--model", str(tiny_dir), "--policy", name, "--prompt", "the sum of step",
-            "--prompt", "we add the value again and the answer", "--budget", "8", "--buffer", "8",
+            "--prompt", "we add the value again and the answer", "--budget", "16", "--buffer", "8",
             "--max-new-tokens", "40", "--dtype", "float32", "--no-chat"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "tokens/s" in out and "KV memory" in out
+    if name != "full":  # prompts of 4 and 8 tokens, 40 new: rounds from 16 generated on
+        assert "eviction rounds, 16 entries per KV head after each" in out
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--convention", "engine"], "--convention is gone"),
+    (["--budget", "64", "--selected", "32"], "not both"),
+    (["--budget", "8", "--buffer", "8"], "must exceed the window"),
+])
+def test_generate_cli_refuses_old_or_conflicting_budget_options(tiny_dir, argv, match, capsys):
+    assert main(["generate", "--model", str(tiny_dir), "--prompt", "the sum", "--no-chat", *argv]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_generate_cli_selected_window_and_interval(tiny_dir, capsys):
+    argv = ["generate", "--model", str(tiny_dir), "--prompt", "the sum of step", "--selected", "12", "--window", "8",
+            "--interval", "4", "--max-new-tokens", "40", "--dtype", "float32", "--no-chat"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "budget=20, window=8, interval=4" in out and "20 entries per KV head after each" in out
 
 
 def test_unknown_policy_lists_the_available_ones(tiny_dir, capsys):
@@ -58,6 +78,6 @@ def test_generate_cli_on_smollm2(name, capsys, request):
     """Every policy on the embedded model."""
     stats = ["--stats", str(request.getfixturevalue("smollm2_stats"))] if name == "triattention" else []
     assert main(["generate", "--policy", name, "--prompt", "Count from one to twenty in words.",
-                 "--budget", "16", "--buffer", "16", "--max-new-tokens", "64", "--dtype", "float32", *stats]) == 0
+                 "--budget", "64", "--buffer", "16", "--max-new-tokens", "96", "--dtype", "float32", *stats]) == 0
     out = capsys.readouterr().out
     assert "tokens/s" in out and ("eviction rounds" in out)

@@ -49,7 +49,7 @@ def test_filters_keep_the_tokens_transformers_keeps(params):
 def test_greedy_is_argmax():
     logits = jnp.asarray(np.random.default_rng(1).standard_normal((4, 50)), jnp.float32)
     keys = jax.vmap(jax.random.key)(jnp.arange(4))
-    np.testing.assert_array_equal(sample_tokens(logits, keys, jnp.int32(3), SamplingParams()), logits.argmax(-1))
+    np.testing.assert_array_equal(sample_tokens(logits, keys, jnp.full((4,), 3), SamplingParams()), logits.argmax(-1))
 
 
 def test_sampled_frequencies_follow_the_filtered_distribution():
@@ -58,7 +58,7 @@ def test_sampled_frequencies_follow_the_filtered_distribution():
     logits = jnp.asarray(np.random.default_rng(2).standard_normal(12) * 2, jnp.float32)
     probs = np.asarray(jax.nn.softmax(filter_logits(logits, params)), np.float64)
     keys = jax.random.key(7)[None]
-    draws = jax.vmap(lambda step: sample_tokens(logits[None], keys, step, params)[0])(jnp.arange(20000))
+    draws = jax.vmap(lambda step: sample_tokens(logits[None], keys, step[None], params)[0])(jnp.arange(20000))
     counts = np.bincount(np.asarray(draws), minlength=12)
     support = probs > 0
     assert counts[~support].sum() == 0
@@ -71,8 +71,11 @@ def test_rows_draw_from_their_own_keys():
     logits = jnp.zeros((3, 1000), jnp.float32)
     params = SamplingParams(temperature=1.0)
     keys = jax.vmap(jax.random.key)(jnp.asarray([5, 6, 5]))
-    tokens = np.asarray(sample_tokens(logits, keys, jnp.int32(1), params))
+    tokens = np.asarray(sample_tokens(logits, keys, jnp.ones((3,), jnp.int32), params))
     assert tokens[0] == tokens[2] != tokens[1]
+    # a row's own count picks its draw: row 2 at count 1 repeats row 0's draw only at count 1
+    later = np.asarray(sample_tokens(logits, keys, jnp.asarray([1, 1, 2]), params))
+    assert later[0] == tokens[0] and later[2] != tokens[2]
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2)])

@@ -2,7 +2,9 @@
 
 The NumPy references are the published rules read literally (loops over layers, rows, heads and
 slots): H2O's accumulated attention and its top-K, TOVA's head-averaged attention of the newest
-query, and the position score of Recency / StreamingLLM.
+query, and the position score of Recency / StreamingLLM; the round itself follows the shared
+budget rule, written here from its description (not from `randkv_jax.rule`): a due row keeps
+its pinned prompt entries, its window and the best eligible entries, `budget` entries in all.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ import numpy as np
 import pytest
 
 import randkv_jax
-from randkv_jax.buffer import KVBuffer, compact, compaction_order
+from randkv_jax.buffer import KVBuffer, compact
 from randkv_jax.decode import DecodeSpec, decode_chunk, prefill
-from randkv_jax.models.decoder import Decoder, causal_attend
+from randkv_jax.models.decoder import Decoder, DenseInputs, causal_attend
 from randkv_jax.observations import Observations, ScoringNeeds, reorder, slot_attention
 from randkv_jax.policies.h2o import H2O
 from randkv_jax.policies.random import RandomAttention
@@ -29,55 +31,83 @@ from randkv_jax.policies.tova import TOVA, tova_scores
 from randkv_jax.sampling import SamplingParams
 from tests.hf_tiny import save_tiny
 
-K, R, N_GEN = 6, 8, 40  # simulated rounds: budget, window, tokens generated so far
+T, R = 14, 8  # simulated rounds: budget (window included), window = interval
+K_SEL = T - R
+PROMPT_LENS = [5, 9, 3, 6]  # 9 > K_SEL: under protect "prompt" its tail competes
+GENERATED = [40, 40, 40, 36]  # row 3 is off the interval: not due
 
 
 # ---------------------------------------------------------------- simulated buffers and references
 
 
-def _buffer(rng, prompt_lens, layers=2, kv_heads=2, d=8, same_heads=False, holes=12):
-    """A buffer after N_GEN generated tokens: the whole prompt, `holes`+row random older generated
-    entries per (layer, head) (per layer when `same_heads`), the R-token window; 3 empty slots."""
+def _buffer(rng, prompt_lens=PROMPT_LENS, layers=2, kv_heads=2, d=8, same_heads=False, holes=12):
+    """A buffer mid-generation (row i has generated GENERATED[i]): the whole prompt, `holes`+row
+    random older generated entries per (layer, head) (per layer when `same_heads`), the R-token
+    window; 3 empty slots. Every row holds more than T entries."""
     b = len(prompt_lens)
+    generated = GENERATED[:b]
     fills = [p + holes + row + R for row, p in enumerate(prompt_lens)]
     s = max(fills) + 3
     positions = np.full((layers, b, kv_heads, s), -1, np.int32)
     for l in range(layers):
-        for row, p in enumerate(prompt_lens):
-            shared = rng.choice(np.arange(p, p + N_GEN - R), holes + row, replace=False)
+        for row, (p, n) in enumerate(zip(prompt_lens, generated)):
+            shared = rng.choice(np.arange(p, p + n - R), holes + row, replace=False)
             for h in range(kv_heads):
-                older = shared if same_heads else rng.choice(np.arange(p, p + N_GEN - R), holes + row, replace=False)
-                held = np.concatenate([np.arange(p), np.sort(older), np.arange(p + N_GEN - R, p + N_GEN)])
+                older = shared if same_heads else rng.choice(np.arange(p, p + n - R), holes + row, replace=False)
+                held = np.concatenate([np.arange(p), np.sort(older), np.arange(p + n - R, p + n)])
                 positions[l, row, h, : len(held)] = held
     keys = rng.standard_normal((layers, b, kv_heads, s, d)).astype(np.float32)
     return KVBuffer(
         keys=jnp.asarray(keys), values=jnp.zeros_like(jnp.asarray(keys)), positions=jnp.asarray(positions),
         prompt_lens=jnp.asarray(prompt_lens, jnp.int32), fill=jnp.asarray(fills, jnp.int32),
+        generated=jnp.asarray(generated, jnp.int32),
     )
 
 
-def _protected_prompt(protect, p):
-    """How many leading prompt tokens `protect` keeps."""
-    return {"prompt": p, "none": 0}[protect] if protect in ("prompt", "none") else min(int(protect[6:]), p)
+def _n_pinned(policy, p):
+    """Pinned prompt entries: min(P, N, K_sel - 1), N = P for "prompt", 0 for "none", N for "sinks:N"."""
+    protect = policy.protect
+    sinks = p if protect == "prompt" else 0 if protect == "none" else int(protect.removeprefix("sinks:"))
+    return min(p, sinks, policy.budget - policy.window - 1)
 
 
-def _np_keep(positions, prompt_lens, protect, scores):
-    """Protected entries plus the K highest-scoring eligible ones (ties -> lower slot), after N_GEN."""
+def _due(policy, fill, generated):
+    return generated > 0 and generated % policy.interval == 0 and fill > policy.budget
+
+
+def _np_keep(policy, buf, scores):
+    """A round of `policy` read from its description: in a due row each (layer, head) keeps its
+    pinned and window entries plus the K_sel - pinned highest-scoring others (ties -> lower slot);
+    other rows keep everything."""
+    positions = np.asarray(buf.positions)
     keep = np.zeros(positions.shape, bool)
     for idx in np.ndindex(positions.shape[:3]):
-        p = prompt_lens[idx[1]]
-        sinks = _protected_prompt(protect, p)
+        row = idx[1]
+        p, n, fill = int(buf.prompt_lens[row]), int(buf.generated[row]), int(buf.fill[row])
         pos = positions[idx]
-        protected = [t for t in range(len(pos)) if pos[t] >= 0 and (pos[t] < sinks or pos[t] >= p + N_GEN - R)]
-        eligible = [t for t in range(len(pos)) if pos[t] >= 0 and t not in protected]
-        chosen = sorted(eligible, key=lambda t: (-scores[idx][t], t))[:K]
+        valid = [t for t in range(len(pos)) if pos[t] >= 0]
+        if not _due(policy, fill, n):
+            keep[idx][valid] = True
+            continue
+        pins = _n_pinned(policy, p)
+        protected = [t for t in valid if pos[t] < pins or pos[t] >= p + n - policy.window]
+        eligible = [t for t in valid if t not in protected]
+        chosen = sorted(eligible, key=lambda t: (-scores[idx][t], t))[: policy.budget - policy.window - pins]
         keep[idx][protected + chosen] = True
     return keep
 
 
 def _keep_mask(policy, buf, observations=None):
-    keep_mask = jax.jit(policy.keep_mask)  # one compilation instead of op-by-op dispatch
-    return np.asarray(keep_mask(buf, jnp.int32(N_GEN), jnp.zeros(buf.fill.shape, jnp.int32), observations))
+    keep_mask = jax.jit(functools.partial(policy.keep_mask, platform="cpu"))  # one compilation, not op-by-op
+    return np.asarray(keep_mask(buf, jnp.zeros(buf.fill.shape, jnp.int32), observations))
+
+
+def _assert_round(policy, buf, keep):
+    """Due rows hold exactly T entries per (layer, head) after the round; other rows all of theirs."""
+    held = keep.sum(-1)
+    for row in range(keep.shape[1]):
+        due = _due(policy, int(buf.fill[row]), int(buf.generated[row]))
+        assert (held[:, row] == (policy.budget if due else int(buf.fill[row]))).all()
 
 
 def _np_softmax(logits):
@@ -88,22 +118,34 @@ def _np_softmax(logits):
 # ---------------------------------------------------------------- Recency and StreamingLLM
 
 
-@pytest.mark.parametrize("policy", [Recency(budget=K, buffer=R), StreamingLLM(budget=K, buffer=R),
-                                    Recency(budget=K, buffer=R, protect="prompt"),
-                                    StreamingLLM(budget=K, buffer=R, protect="sinks:2")])
+@pytest.mark.parametrize("policy", [Recency(budget=T, buffer=R), StreamingLLM(budget=T, buffer=R),
+                                    Recency(budget=T, buffer=R, protect="prompt"),
+                                    StreamingLLM(budget=T, buffer=R, protect="sinks:2")])
 def test_position_scores_and_keep_sets_equal_numpy(policy):
     rng = np.random.default_rng(0)
-    prompt_lens = [5, 9, 3]
-    buf = _buffer(rng, prompt_lens)
+    buf = _buffer(rng)
     positions = np.asarray(buf.positions)
     np.testing.assert_array_equal(np.asarray(recency_scores(buf.positions)), positions.astype(np.float32))
-    expected = _np_keep(positions, prompt_lens, policy.protect, positions)
-    np.testing.assert_array_equal(_keep_mask(policy, buf), expected)
-    for idx in np.ndindex(positions.shape[:3]):  # the protected prompt, the K newest eligible, the window
-        p, n_sinks = prompt_lens[idx[1]], _protected_prompt(policy.protect, prompt_lens[idx[1]])
-        kept = positions[idx][expected[idx]].tolist()
-        eligible = sorted(x for x in positions[idx].tolist() if n_sinks <= x < p + N_GEN - R)
-        assert kept == list(range(n_sinks)) + eligible[-K:] + list(range(p + N_GEN - R, p + N_GEN))
+    expected = _np_keep(policy, buf, positions)
+    keep = _keep_mask(policy, buf)
+    np.testing.assert_array_equal(keep, expected)
+    _assert_round(policy, buf, keep)
+    for idx in np.ndindex(positions.shape[:3]):
+        p, n = PROMPT_LENS[idx[1]], GENERATED[idx[1]]
+        held = sorted(x for x in positions[idx].tolist() if x >= 0)
+        kept = positions[idx][keep[idx]].tolist()
+        if not _due(policy, int(buf.fill[idx[1]]), n):  # row 3, off the interval
+            assert n % R and kept == held
+            continue
+        # the pinned prompt entries, the newest eligible ones, the window: T in all
+        pins = _n_pinned(policy, p)
+        eligible = [x for x in held if pins <= x < p + n - R]
+        assert kept == list(range(pins)) + eligible[len(eligible) - (K_SEL - pins):] + list(range(p + n - R, p + n))
+        if policy.protect == "none":  # Recency's control: the newest T entries
+            assert kept == held[-T:]
+        if policy.protect == "sinks:4":  # StreamingLLM: positions 0..3 (or a shorter whole prompt), the newest T - 4
+            sinks = list(range(min(p, 4)))
+            assert kept == sinks + [x for x in held if x >= len(sinks)][-(T - len(sinks)):]
 
 
 def test_defaults_and_names():
@@ -112,10 +154,13 @@ def test_defaults_and_names():
     assert (H2O.name, H2O().protect, H2O().needs) == ("h2o", "none", ScoringNeeds(attention_sum=True))
     assert (TOVA.name, TOVA().protect, TOVA().needs) == ("tova", "none", ScoringNeeds(query_window=1))
     assert RandomAttention().needs == ScoringNeeds() and not RandomAttention().needs.any
+    assert (H2O().budget, H2O().window, H2O().interval) == (1024, 64, 64)
+    assert (TOVA(budget=T, buffer=R).window, TOVA(budget=T, buffer=R).interval) == (R, R)
+    assert Recency.from_selected(K_SEL, window=R) == Recency(budget=T, window=R)
     with pytest.raises(ValueError, match="attention_sum"):
-        H2O(budget=K, buffer=R).scores(_buffer(np.random.default_rng(0), [4]), jnp.int32(N_GEN), jnp.zeros(1))
+        H2O(budget=T, buffer=R).scores(_buffer(np.random.default_rng(0), [4]), jnp.zeros(1, jnp.int32))
     with pytest.raises(ValueError, match="queries"):
-        TOVA(budget=K, buffer=R).scores(_buffer(np.random.default_rng(0), [4]), jnp.int32(N_GEN), jnp.zeros(1))
+        TOVA(budget=T, buffer=R).scores(_buffer(np.random.default_rng(0), [4]), jnp.zeros(1, jnp.int32))
 
 
 # ---------------------------------------------------------------- H2O
@@ -124,15 +169,15 @@ def test_defaults_and_names():
 @pytest.mark.parametrize("protect", ["none", "prompt", "sinks:4"])
 def test_h2o_keep_sets_equal_numpy_with_ties(protect):
     rng = np.random.default_rng(1)
-    prompt_lens = [5, 9, 3]
-    buf = _buffer(rng, prompt_lens)
+    buf = _buffer(rng)
     sums = rng.integers(0, 4, buf.positions.shape).astype(np.float32)  # coarse: many ties
     sums = np.where(np.asarray(buf.valid), sums, 0.0)
     obs = Observations(attention_sum=jnp.asarray(sums))
-    policy = H2O(budget=K, buffer=R, protect=protect)
-    np.testing.assert_array_equal(np.asarray(policy.scores(buf, jnp.int32(N_GEN), None, obs)), sums)
-    np.testing.assert_array_equal(_keep_mask(policy, buf, obs), _np_keep(np.asarray(buf.positions), prompt_lens,
-                                                                         protect, sums))
+    policy = H2O(budget=T, buffer=R, protect=protect)
+    np.testing.assert_array_equal(np.asarray(policy.scores(buf, jnp.zeros(4, jnp.int32), obs)), sums)
+    keep = _keep_mask(policy, buf, obs)
+    np.testing.assert_array_equal(keep, _np_keep(policy, buf, sums))
+    _assert_round(policy, buf, keep)
 
 
 @pytest.mark.parametrize("heads", [2, 4, 8])  # 1, 2, 4 query heads per KV head
@@ -164,11 +209,11 @@ def test_reorder_moves_attention_sums_with_their_slots():
     prompt_lens = [5, 9]
     buf = _buffer(rng, prompt_lens)
     sums = np.where(np.asarray(buf.valid), rng.random(buf.positions.shape), 0.0).astype(np.float32)
-    keep = _np_keep(np.asarray(buf.positions), prompt_lens, "none", rng.random(buf.positions.shape))
-    keep_j = jnp.asarray(keep)
-    moved = np.asarray(reorder(Observations(attention_sum=jnp.asarray(sums)), compaction_order(keep_j), keep_j)
-                       .attention_sum)
-    after = np.asarray(compact(buf, keep_j).positions)
+    keep = _np_keep(Recency(budget=T, buffer=R), buf, rng.random(buf.positions.shape))
+    compacted, order = compact(buf, jnp.asarray(keep))
+    np.testing.assert_array_equal(np.asarray(compacted.fill), [T, T])
+    moved = np.asarray(reorder(Observations(attention_sum=jnp.asarray(sums)), order, compacted.valid).attention_sum)
+    after = np.asarray(compacted.positions)
     before = np.asarray(buf.positions)
     for idx in np.ndindex(before.shape[:3]):
         kept_slots = np.flatnonzero(keep[idx])
@@ -214,10 +259,12 @@ def test_tova_scores_and_keep_sets_equal_numpy(heads, same_heads):
     want = _np_tova(query, keys, np.asarray(buf.positions))
     got = np.asarray(jax.vmap(tova_scores)(jnp.asarray(query), buf.keys, buf.valid))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
-    policy = TOVA(budget=K, buffer=R)
-    np.testing.assert_allclose(np.asarray(policy.scores(buf, jnp.int32(N_GEN), None, obs)), want, rtol=1e-5, atol=1e-7)
+    policy = TOVA(budget=T, buffer=R)
+    np.testing.assert_allclose(np.asarray(policy.scores(buf, jnp.zeros(2, jnp.int32), obs)), want, rtol=1e-5,
+                               atol=1e-7)
     keep = _keep_mask(policy, buf, obs)
-    np.testing.assert_array_equal(keep, _np_keep(np.asarray(buf.positions), prompt_lens, "none", want))
+    np.testing.assert_array_equal(keep, _np_keep(policy, buf, want))
+    _assert_round(policy, buf, keep)
     assert (got[..., 3] == got[..., 7]).all()
     if same_heads:  # one keep-set per layer: every KV head keeps the same slots
         assert (keep == keep[:, :, :1]).all()
@@ -227,13 +274,26 @@ def test_tova_scores_and_keep_sets_equal_numpy(heads, same_heads):
 
 
 PROMPTS = [np.random.default_rng(0).integers(3, 256, size=n).tolist() for n in (5, 17, 11)]
+BUDGET, INTERVAL = 24, 8  # 17 > K_sel = 16: the second prompt's tail would compete under protect "prompt"
 POLICIES = {
-    "random": RandomAttention(budget=16, buffer=8),  # traced only (no generation)
-    "h2o": H2O(budget=16, buffer=8),
-    "tova": TOVA(budget=16, buffer=8),
-    "streaming": StreamingLLM(budget=16, buffer=8),
-    "recency": Recency(budget=16, buffer=8),
+    "random": RandomAttention(budget=BUDGET, buffer=INTERVAL),  # traced only (no generation)
+    "h2o": H2O(budget=BUDGET, buffer=INTERVAL),
+    "tova": TOVA(budget=BUDGET, buffer=INTERVAL),
+    "streaming": StreamingLLM(budget=BUDGET, buffer=INTERVAL),
+    "recency": Recency(budget=BUDGET, buffer=INTERVAL),
 }
+
+
+def simulate_fill(policy, prompt_len, steps):
+    """Entries a row holds under the budget rule: (final fill, peak, rounds, generated at the last round)."""
+    fill = peak = prompt_len
+    rounds, last = 0, None
+    for generated in range(1, steps + 1):
+        fill += 1
+        peak = max(peak, fill)
+        if generated % policy.interval == 0 and fill > policy.budget:
+            fill, rounds, last = policy.budget, rounds + 1, generated
+    return fill, peak, rounds, last
 
 
 @pytest.fixture(scope="module")
@@ -252,15 +312,17 @@ def runs(model):
 
 @pytest.mark.parametrize("name", ["h2o", "tova", "streaming", "recency"])
 def test_every_policy_generates_within_the_bound(runs, name):
-    K_, r = 16, 8
     out = runs[name]
-    positions = np.asarray(out.state.buffer.positions)
-    n = int(out.state.step)
+    policy, buffer = POLICIES[name], out.state.buffer
+    positions = np.asarray(buffer.positions)
     for row, (p, s) in enumerate(zip(PROMPTS, out.stats)):
-        assert s.new_tokens == 80 and s.evictions > 0
-        assert s.peak_slots <= len(p) + K_ + 2 * r
+        n = int(buffer.generated[row])
+        fill, peak, rounds, _ = simulate_fill(policy, len(p), n)
+        assert s.new_tokens == 80 and n == 79 and rounds > 0
+        assert s.evictions == rounds and s.held_after_round == BUDGET  # every round ends at exactly T held
+        assert s.peak_slots == peak <= max(len(p), BUDGET) + INTERVAL
         held = positions[:, row]
-        assert ((held >= 0).sum(-1) <= len(p) + K_ + 2 * r).all()
+        assert int(buffer.fill[row]) == fill and ((held >= 0).sum(-1) == fill).all()
         assert (held[..., :1] >= 0).all() and (held.max(-1) == len(p) + n - 1).all()  # the newest is held
     if name == "h2o":  # accumulated attention lives in held slots only
         sums = np.asarray(out.state.observations.attention_sum)
@@ -272,12 +334,13 @@ def test_every_policy_generates_within_the_bound(runs, name):
 @pytest.mark.parametrize("name", ["recency", "streaming"])
 def test_recency_and_streaming_keep_the_newest(runs, name):
     out = runs[name]
-    n = int(out.state.step)
-    last_round = n - n % 8
     positions = np.asarray(out.state.buffer.positions)
     for row, p in enumerate(PROMPTS):
+        n = int(out.state.buffer.generated[row])
+        last_round = simulate_fill(POLICIES[name], len(p), n)[3]
         sinks = list(range(4)) if name == "streaming" else []
-        newest = list(range(len(p) + last_round - 16 - 8, len(p) + n))  # K + r kept at the last round, then appended
+        # the last round kept the sinks and the newest T - sinks; the tokens since were appended
+        newest = list(range(len(p) + last_round - (BUDGET - len(sinks)), len(p) + n))
         for held in positions[:, row].reshape(-1, positions.shape[-1]):
             assert held[held >= 0].tolist() == sinks + newest
 
@@ -288,7 +351,8 @@ def test_random_attention_loop_state_and_program_have_no_observations(model):
 
     def state_and_signature(name):
         spec = DecodeSpec(config=model.config, dtype=model.dtype, policy=POLICIES[name],
-                          sampling=SamplingParams(0.0, 1.0, 0), max_new_tokens=80, stop_ids=(), pad_id=0)
+                          sampling=SamplingParams(0.0, 1.0, 0), max_new_tokens=80, stop_ids=(), pad_id=0,
+                          platform="cpu")
         state = jax.eval_shape(functools.partial(prefill, spec=spec, capacity=128), model.params, prompts, lens, seeds)
         text = decode_chunk.lower(model.params, state, jnp.int32(1), spec=spec).as_text()
         return state, re.search(r"func\.func public @main\((.*)", text).group(1)
@@ -298,6 +362,7 @@ def test_random_attention_loop_state_and_program_have_no_observations(model):
     assert random_state.observations is None
     assert h2o_state.observations.queries is None and tova_state.observations.attention_sum is None
     leaves = len(jax.tree.leaves(random_state))
+    assert leaves == len(jax.tree.leaves(random_state.buffer)) + 8 == 6 + 8  # the buffer (generated included) + 8 [b]
     assert len(jax.tree.leaves(h2o_state)) == leaves + 1 and len(jax.tree.leaves(tova_state)) == leaves + 1
     l, b, k, s = random_state.buffer.positions.shape
     attention_sum = f"tensor<{l}x{b}x{k}x{s}xf32>"
@@ -315,19 +380,19 @@ def _queries_and_keys(model, sequences):
     for row, seq in enumerate(sequences):
         tokens[row, : len(seq)] = seq
 
-    def capture(q, k, v, shared, state, layer):
-        ctx, _ = causal_attend(q, k, v, shared)
-        qs, ks = state
+    def capture(q, k, v, inputs: DenseInputs, cache, layer):
+        ctx, _ = causal_attend(q, k, v, inputs)
+        qs, ks = cache
         return ctx, (qs.at[layer].set(q), ks.at[layer].set(k))
 
     @jax.jit
     def forward(params, tokens):
-        state = (jnp.zeros((c.num_layers, b, t, c.num_heads, c.head_dim)),
+        cache = (jnp.zeros((c.num_layers, b, t, c.num_heads, c.head_dim)),
                  jnp.zeros((c.num_layers, b, t, c.num_kv_heads, c.head_dim)))
         positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-        mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+        inputs = DenseInputs(mask=jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)))
         _, (qs, ks) = Decoder(c, jnp.float32, jnp.float32, attend=capture).apply(
-            {"params": params}, tokens, positions, mask, state)
+            {"params": params}, tokens, positions, inputs, cache)
         return qs, ks
 
     qs, ks = forward(model.params, jnp.asarray(tokens))
@@ -338,8 +403,9 @@ def test_h2o_attention_sum_recorded_by_the_loop_equals_numpy(model):
     """No eviction (K is large): every prefill and decode query's attention, summed per KV head."""
     out = randkv_jax.generate(model, PROMPTS[:2], policy=H2O(budget=64, buffer=8), max_new_tokens=20,
                               chat=False, ignore_eos=True, return_state=True)
-    assert all(s.evictions == 0 for s in out.stats)
-    n = int(out.state.step)
+    assert all(s.evictions == 0 and s.held_after_round == 0 for s in out.stats)
+    n = int(out.state.buffer.generated[0])
+    np.testing.assert_array_equal(np.asarray(out.state.buffer.generated), [n, n])
     sums = np.asarray(out.state.observations.attention_sum)
     c = model.config
     g = c.num_heads // c.num_kv_heads

@@ -4,6 +4,7 @@ the `randkv calibrate` round trip and generation under the policy on a tiny mode
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -155,49 +156,64 @@ def _synthetic_stats(tmp_path, config, seed=0):
 
 
 def test_keep_mask_equals_numpy(tmp_path):
-    """A round on a simulated buffer keeps the prompt, the window and the top K by the NumPy score,
-    the same slots in every layer."""
+    """A round on a simulated buffer keeps the pinned prompt (inside the budget), the window and the
+    n_select = K_sel - pinned eligible slots with the best NumPy score, the same slots in every
+    layer, so that each head then holds exactly T; a row that is not due keeps everything."""
     config = _config(layers=2, heads=8, kv_heads=2)
     stats_dir = _synthetic_stats(tmp_path, config)
-    K, r, n_gen = 6, 4, 28
-    policy = TriAttention(budget=K, buffer=r, stats=str(stats_dir), seed=5)
+    T, r = 20, 4  # K_sel = 16
+    policy = TriAttention(budget=T, buffer=r, stats=str(stats_dir), seed=5)
     rng = np.random.default_rng(1)
-    prompt_lens = np.array([5, 9])
-    b, l, k, d, cap = 2, 2, 2, 16, 48
+    # row 0: short prompt, all of it pinned; row 1: prompt 20 > K_sel, pinned 0..14 and its tail
+    # competes; row 2: generated 27, off the interval: not due
+    prompt_lens, generated = np.array([5, 20, 7]), np.array([28, 28, 27])
+    n_pinned = np.minimum(prompt_lens, T - r - 1)
+    b, l, k, d, cap = 3, 2, 2, 16, 48
     positions = np.full((l, b, k, cap), -1, np.int32)
-    for bi, plen in enumerate(prompt_lens):
-        t = plen + n_gen
-        for j in range(k):  # prompt, 14 surviving generated tokens, the r-token window
-            kept = np.sort(rng.choice(np.arange(plen, t - r), size=14, replace=False))
-            row = np.concatenate([np.arange(plen), kept, np.arange(t - r, t)])
+    for bi in range(b):
+        t = prompt_lens[bi] + generated[bi]
+        for j in range(k):  # pinned prefix, 14 surviving older entries (prompt tail included), the window
+            kept = np.sort(rng.choice(np.arange(n_pinned[bi], t - r), size=14, replace=False))
+            row = np.concatenate([np.arange(n_pinned[bi]), kept, np.arange(t - r, t)])
             positions[:, bi, j, : row.size] = row
     fill = (positions[0, :, 0] >= 0).sum(-1)
     keys = rng.normal(size=(l, b, k, cap, d)).astype(np.float32)
     buf = KVBuffer(keys=jnp.asarray(keys), values=jnp.asarray(keys), positions=jnp.asarray(positions),
-                   prompt_lens=jnp.asarray(prompt_lens, jnp.int32), fill=jnp.asarray(fill, jnp.int32))
-    seeds = jnp.array([3, 4], jnp.int32)
-    n = jnp.int32(n_gen)
-    assert bool(jnp.all(jax.jit(policy.due)(buf, n)))
-    keep = np.asarray(jax.jit(policy.keep_mask)(buf, n, seeds))
+                   prompt_lens=jnp.asarray(prompt_lens, jnp.int32), fill=jnp.asarray(fill, jnp.int32),
+                   generated=jnp.asarray(generated, jnp.int32))
+    seeds = jnp.array([3, 4, 6], jnp.int32)
+    due = np.asarray(jax.jit(policy.due)(buf))
+    np.testing.assert_array_equal(due, [True, True, False])
+    keep = np.asarray(jax.jit(functools.partial(policy.keep_mask, platform="cpu"))(buf, seeds))
 
     st = load_stats(stats_dir)
-    t = prompt_lens + n_gen
+    t = prompt_lens + generated
     q_mean = st.q_mean_real + 1j * st.q_mean_imag
     raw = np.stack([np_key_scores(keys[li], positions[li], t, q_mean[li], st.q_abs_mean[li], st.inv_freq,
                                   st.attention_scaling) for li in range(l)])
-    eligible = (positions >= prompt_lens[None, :, None, None]) & (positions < (t - r)[None, :, None, None])
-    draws = jax.jit(eviction_draws)(5, seeds[None, :, None, None], np.arange(l)[:, None, None, None],
-                                    np.arange(8)[None, None, :, None], n_gen // r, np.arange(cap)[None, None, None, :])
-    noise = (np.asarray(draws, np.float64) + 0.5) / 2**24
+    row = lambda x: x[None, :, None, None]  # noqa: E731
+    valid = positions >= 0
+    pinned = valid & (positions < row(n_pinned))
+    window = valid & (positions >= row(t - r))
+    eligible = valid & ~pinned & ~window
+    assert (eligible[:, 1] & (positions[:, 1] < prompt_lens[1])).any()  # the prompt's tail competes
+    draws = jax.jit(eviction_draws)(5, row(seeds), np.arange(l)[:, None, None, None],
+                                    np.arange(8)[None, None, :, None], row(generated),
+                                    np.arange(cap)[None, None, None, :])
+    noise = (np.asarray(draws, np.int64) // 2 + 0.5) / 2**23  # hash_prng.open_uniform
     agg = np_aggregate(np.nan_to_num(raw), eligible, noise)
+    n_select = T - r - n_pinned
     for li in range(l):
         for bi in range(b):
             for j in range(k):
                 pos, kp = positions[li, bi, j], keep[li, bi, j]
-                protected = (pos >= 0) & ~eligible[li, bi, j]
-                assert np.all(kp[protected]) and not np.any(kp[pos < 0])
+                if not due[bi]:
+                    np.testing.assert_array_equal(kp, pos >= 0)
+                    continue
+                assert np.all(kp[pinned[li, bi, j] | window[li, bi, j]]) and not np.any(kp[pos < 0])
+                assert kp.sum() == T
                 chosen = kp & eligible[li, bi, j]
-                assert chosen.sum() == K
+                assert chosen.sum() == n_select[bi]
                 dropped = eligible[li, bi, j] & ~kp
                 assert agg[bi, j][chosen].min() >= agg[bi, j][dropped].max() - 1e-4
     assert np.array_equal(keep[0], keep[1])  # one keep-set per KV head, shared by the layers
@@ -259,20 +275,24 @@ def test_cli_round_trip_and_generation(tiny, tmp_path):
     ids = model.tokenizer.encode(TEXT)[:300]
     np.testing.assert_allclose(stats.q_abs_mean, query_statistics(model, ids)["q_abs_mean"], rtol=1e-6)
 
-    K, r, n_new = 16, 8, 80
-    policy = TriAttention(budget=K, buffer=r, stats=str(directory))
+    T, r, n_new = 32, 8, 80  # K_sel = 24
+    policy = TriAttention(budget=T, buffer=r, stats=str(directory))
     assert hash(policy) == hash(dataclasses.replace(policy))
-    prompts = [[5, 9, 11, 3, 7, 8, 10, 12, 4, 6, 13, 14], [21, 22, 23, 24, 25]]
+    # the 30-token prompt is longer than K_sel: its first K_sel - 1 = 23 entries are pinned
+    prompts = [[5, 9, 11, 3, 7, 8, 10, 12, 4, 6, 13, 14], [21, 22, 23, 24, 25], list(range(30, 60))]
     result = randkv_jax.generate(model, prompts, policy=policy, max_new_tokens=n_new, ignore_eos=True,
                                  chat=False, return_state=True)
     for p, st in zip(prompts, result.stats):
         assert st.new_tokens == n_new and st.evictions > 0
-        assert st.peak_slots <= len(p) + K + 2 * r
+        assert st.held_after_round == T  # a round compacts every head to exactly T
+        assert st.peak_slots <= policy.capacity(len(p), n_new) == max(len(p), T) + r
     buf = result.state.buffer
     positions = np.asarray(buf.positions)
     assert np.array_equal(positions[0], positions[1])  # layers share the keep-set
-    for row, p in enumerate(prompts):
-        assert np.all(positions[:, row, :, : len(p)] == np.arange(len(p)))  # the prompt is kept
+    pinned = np.asarray(policy.rule.n_pinned(jnp.asarray([len(p) for p in prompts])))
+    np.testing.assert_array_equal(pinned, [12, 5, 23])
+    for row, n in enumerate(pinned):
+        assert np.all(positions[:, row, :, :n] == np.arange(n))  # the pinned prompt is kept
 
 
 def test_bad_inputs(tiny, tmp_path):
@@ -287,6 +307,15 @@ def test_bad_inputs(tiny, tmp_path):
     with pytest.raises(ValueError, match="another model"):  # generate checks before compiling
         randkv_jax.generate(model, [[1, 2, 3]], policy=TriAttention(budget=8, buffer=4, stats=str(other)),
                             max_new_tokens=16, chat=False)
+    with pytest.raises(ValueError, match="do not fit this model"):  # the scores check the buffer too
+        TriAttention(budget=8, buffer=4, stats=str(other)).keep_mask(
+            KVBuffer.empty(model.config, 1, 8, jnp.float32), jnp.zeros((1,), jnp.int32), platform="cpu")
+    with pytest.raises(ValueError, match="must exceed the window"):  # T counts the window
+        TriAttention(budget=4, buffer=4, stats=str(other))
+    with pytest.raises(ValueError, match="convention= is gone"):
+        TriAttention(budget=8, buffer=4, stats=str(other), convention="text")
+    with pytest.raises(ValueError, match="offset_max must be a positive integer"):
+        TriAttention(budget=8, buffer=4, stats=str(other), offset_max=0)
     with pytest.raises(ValueError, match="partial rotary"):
         calibration.check_supported(_config(rotary=0.5))
     assert main(["calibrate", "--model", str(directory), "--text", str(tmp_path / "nope.txt")]) == 2

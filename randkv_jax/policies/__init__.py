@@ -1,15 +1,16 @@
 """Eviction policies, by class or by name: `get("random", budget=512)`, `available()`.
 
-Every policy but `FullAttention` shares Random Attention's skeleton (`base.EvictionPolicy`):
-the trigger every r generated tokens, the r-token recency window, chronological compaction and
-the `protect` option; they differ only in how they score eligible entries.
+Every policy meets `base.Policy`; all but `FullAttention` share Random Attention's skeleton
+(`base.EvictionPolicy` on `randkv_jax.rule`): one budget T held after each round (window and
+pinned prompt included), the window w, the interval i, the `protect` option and chronological
+compaction; they differ only in how they score eligible entries.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from randkv_jax.policies.base import EvictionPolicy
+from randkv_jax.policies.base import EvictionPolicy, Policy
 from randkv_jax.policies.full import FullAttention
 from randkv_jax.policies.h2o import H2O
 from randkv_jax.policies.random import RandomAttention
@@ -49,6 +50,6 @@ def fields_of(name: str) -> set[str]:
 
 
 __all__ = [
-    "EvictionPolicy", "FullAttention", "H2O", "RKV", "RandomAttention", "Recency", "SnapKV", "StreamingLLM",
+    "EvictionPolicy", "FullAttention", "Policy", "H2O", "RKV", "RandomAttention", "Recency", "SnapKV", "StreamingLLM",
     "TOVA", "TriAttention", "VaSE", "available", "fields_of", "get",
 ]

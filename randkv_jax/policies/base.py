@@ -1,72 +1,126 @@
-"""What an eviction policy is, and the selection step every scoring rule shares.
+"""What a policy is (`Policy`), and the skeleton every eviction policy shares (`EvictionPolicy`).
 
-A policy decides, at each eviction round, which entries of the KV buffer each (layer, row, KV
-head) keeps. Every policy here shares the same skeleton (the paper's engine):
+The decode loop talks to a policy through `Policy` only: how many slots a row needs, which rows
+are due for a round, and a round's keep mask. `FullAttention` meets it by never being due.
 
-- a round runs every `buffer` (r) generated tokens, for a row whose evictable entries exceed
-  its budget K;
-- protected entries are always kept: the recency window (the r newest tokens) and, by
-  `protect`, the whole prompt ("prompt"), its first N tokens ("sinks:N") or nothing ("none");
-- among the other entries ("eligible"), the K with the highest scores are kept, ties going to
-  the older slot; kept entries stay in chronological order (`buffer.compact`).
-
-Subclasses only say how to score eligible entries (`scores`) and what they need to observe
-during decoding (`needs`: recent queries, accumulated attention; see `randkv_jax.observations`).
+Every eviction policy follows the shared rule of `randkv_jax.rule` (the paper's engine): a
+round every `interval` generated tokens for a row holding more than `budget` T entries, keeping
+the `window` newest entries, the `protect`ed prompt entries (inside the budget) and the best
+scoring eligible entries, so that each (layer, row, KV head) then holds exactly T; ties go to
+the older slot; kept entries stay in chronological order (`buffer.compact`). Subclasses only say
+how to score eligible entries (`scores`) and what they need to observe while decoding (`needs`:
+recent queries, accumulated attention; see `randkv_jax.observations`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from randkv_jax.buffer import KVBuffer
 from randkv_jax.observations import Observations, ScoringNeeds
+from randkv_jax.rule import EvictionRule, RoundMasks, select_top
 
-CONVENTIONS = ("text", "engine", "vllm")
+PLATFORMS = ("cpu", "gpu", "tpu")
+"""JAX platforms a decode program is built for (`DecodeSpec.platform`)."""
+
+_OLD_CONVENTIONS = {
+    "text": "budget=K meant K selected entries on top of the prompt and the window: use "
+            "budget=K + window (or {cls}.from_selected(K, window=...)), the prompt now counts inside it",
+    "engine": "budget=T was the engine's token_budget: that is what budget means now, drop convention=",
+    "vllm": "budget counted prompt and window: budget now counts both; drop convention= and set "
+            "window= and interval= (the plugin's WINDOW_SIZE=128, DIVIDE_LENGTH=64)",
+}
 
 
-def parse_protect(protect: str) -> int | None:
-    """"prompt" -> None (whole prompt), "none" -> 0, "sinks:N" -> N."""
-    if protect == "prompt":
-        return None
-    if protect == "none":
-        return 0
-    if protect.startswith("sinks:") and protect[6:].isdigit() and int(protect[6:]) > 0:
-        return int(protect[6:])
-    raise ValueError(f"protect must be 'prompt', 'none' or 'sinks:N' with N > 0, got {protect!r}")
+class Policy(Protocol):
+    """What the decode loop needs of a policy (all methods pure; the policy is a static jit argument)."""
+
+    name: ClassVar[str]
+
+    @property
+    def needs(self) -> ScoringNeeds:
+        """What the loop must record for the policy's scores."""
+        ...
+
+    def check_model(self, config) -> None:
+        """Raise ValueError if the policy cannot run on a model with `config`."""
+        ...
+
+    def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Slots a row with this prompt length and generation cap can ever hold."""
+        ...
+
+    def due(self, buffer: KVBuffer) -> Bool[Array, " b"]:
+        """Rows whose eviction round runs after the current step."""
+        ...
+
+    def keep_mask(
+        self, buffer: KVBuffer, row_seeds: Int[Array, " b"], observations: Observations | None, *, platform: str
+    ) -> Bool[Array, "l b k s"]:
+        """The entries each (layer, row, KV head) keeps this round (every valid one in rows not due).
+
+        `platform` ("cpu", "gpu", "tpu") is where the program runs, resolved once before tracing."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
 class EvictionPolicy:
-    """Budget K, recency buffer r, prompt protection; see the module docstring.
+    """Budget T, window w, interval i and prompt protection; see `randkv_jax.rule`.
 
-    `convention` says what `budget` counts (the paper uses three; see docs/policies.md):
-      - "text":   budget = K, the persistently kept generated entries (the paper's text:
-                  "a persistent budget of K plus a buffer of r");
-      - "engine": budget = the released engine's `token_budget` T = K + r, so K = T - r;
-      - "vllm":   budget counts the prompt and the window too (the vLLM plugin's KV_BUDGET):
-                  K = budget - prompt_len - r for each row (0 when the prompt alone fills it).
+    `interval` defaults to `window`; `buffer=r` is shorthand for window = interval = r (it
+    overrides both). To state the budget as the selected part (the probes' "K = 1024 + W = 64"),
+    use `from_selected(K, window=w)`, which sets T = K + w.
     """
 
     name: ClassVar[str] = "eviction"
     budget: int = 1024
-    buffer: int = 64
+    """T: entries each (layer, row, KV head) holds right after a round, window included."""
+    window: int = 64
+    """w: the newest entries, never evicted."""
+    interval: int | None = None
+    """i: generated tokens between rounds (None: equal to `window`)."""
     protect: str = "prompt"
-    convention: str = "text"
+    """"prompt", "sinks:N" or "none": prompt entries pinned inside the budget (see `rule`)."""
+    buffer: dataclasses.InitVar[int | None] = None
+    convention: dataclasses.InitVar[str | None] = None
 
-    def __post_init__(self):
-        if not isinstance(self.budget, int) or self.budget <= 0:
-            raise ValueError(f"{type(self).__name__}: budget must be a positive integer, got {self.budget!r}")
-        if not isinstance(self.buffer, int) or self.buffer <= 0:
-            raise ValueError(f"{type(self).__name__}: buffer must be a positive integer, got {self.buffer!r}")
-        if self.convention not in CONVENTIONS:
-            raise ValueError(f"convention must be one of {CONVENTIONS}, got {self.convention!r}")
-        if self.convention == "engine" and self.budget <= self.buffer:
-            raise ValueError(f"engine convention: token_budget {self.budget} must exceed buffer {self.buffer}")
-        parse_protect(self.protect)
+    def __post_init__(self, buffer: int | None, convention: str | None):
+        cls = type(self).__name__
+        if convention is not None:
+            hint = _OLD_CONVENTIONS.get(convention, "budget now always counts prompt and window")
+            raise ValueError(f"{cls}: convention= is gone ({convention!r}): {hint.format(cls=cls)}")
+        if buffer is not None:
+            object.__setattr__(self, "window", buffer)
+            object.__setattr__(self, "interval", buffer)
+        elif self.interval is None:
+            object.__setattr__(self, "interval", self.window)
+        try:
+            self.rule  # noqa: B018 (validates)
+        except ValueError as e:
+            raise ValueError(f"{cls}: {e}") from None
+        self._validate()
+
+    def _validate(self) -> None:
+        """Subclasses check (and normalise) their own fields here."""
+
+    @classmethod
+    def from_selected(cls, selected: int, **kwargs):
+        """The policy with budget T = `selected` + window (the probes' "K = 1024 + W = 64")."""
+        window = next((kwargs[k] for k in ("buffer", "window") if kwargs.get(k) is not None), cls.window)
+        return cls(budget=selected + window, **kwargs)
+
+    @property
+    def rule(self) -> EvictionRule:
+        return EvictionRule(self.budget, self.window, self.interval, self.protect)
+
+    @property
+    def selected(self) -> int:
+        """K_sel = T - w: entries a round keeps besides the window, pinned prompt entries included."""
+        return self.rule.selected
 
     def check_model(self, config) -> None:
         """Raise ValueError if this policy cannot run on a model with `config` (default: it can)."""
@@ -76,72 +130,33 @@ class EvictionPolicy:
         """What the decode loop must record for `scores` (nothing, by default)."""
         return ScoringNeeds()
 
-    @property
-    def max_kept(self) -> int:
-        """An upper bound of K over rows (static; sizes the buffer)."""
-        return self.budget - self.buffer if self.convention in ("engine", "vllm") else self.budget
-
-    def kept_per_row(self, prompt_lens: Int[Array, " b"]) -> Int[Array, " b"]:
-        """K for each row."""
-        if self.convention == "vllm":
-            return jnp.maximum(self.budget - prompt_lens - self.buffer, 0)
-        return jnp.full_like(prompt_lens, self.max_kept)
-
     def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
-        """Slots a row needs: prompt + K + 2r (never more than prompt + max_new_tokens)."""
-        return prompt_len + min(max_new_tokens, self.max_kept + 2 * self.buffer)
+        return self.rule.capacity(prompt_len, max_new_tokens)
 
-    def protected(self, buffer: KVBuffer, n_generated: Int[Array, ""]) -> Bool[Array, "l b k s"]:
-        """Entries no round may evict: the prompt (per `protect`) and the r newest tokens."""
-        pos, prompt = buffer.positions, buffer.prompt_lens[None, :, None, None]
-        sinks = parse_protect(self.protect)
-        kept_prompt = pos < prompt if sinks is None else pos < jnp.minimum(sinks, prompt)
-        window = pos >= prompt + n_generated - self.buffer
-        return buffer.valid & (kept_prompt | window)
+    def due(self, buffer: KVBuffer) -> Bool[Array, " b"]:
+        return self.rule.due(buffer.fill, buffer.generated)
 
-    def due(self, buffer: KVBuffer, n_generated: Int[Array, ""]) -> Bool[Array, " b"]:
-        """Rows for which a round runs now: a multiple of r generated, more than K eligible."""
-        # every layer and head of a row holds as many eligible entries: count on one of them
-        # (this runs at every decode step, so it must not touch the whole [l, b, k, s] array)
-        one_head = dataclasses.replace(buffer, positions=buffer.positions[:1, :, :1])
-        eligible = one_head.valid & ~self.protected(one_head, n_generated)
-        n_eligible = jnp.sum(eligible[0, :, 0], axis=-1)
-        on_boundary = (n_generated > 0) & (n_generated % self.buffer == 0)
-        return on_boundary & (n_eligible > self.kept_per_row(buffer.prompt_lens))
+    def round_masks(self, buffer: KVBuffer) -> RoundMasks:
+        """Pinned, window and eligible slots of every (layer, row, KV head)."""
+        per_row = lambda x: x[None, :, None, None]  # noqa: E731
+        return self.rule.masks(buffer.positions, per_row(buffer.prompt_lens), per_row(buffer.generated))
 
     def keep_mask(
         self,
         buffer: KVBuffer,
-        n_generated: Int[Array, ""],
         row_seeds: Int[Array, " b"],
         observations: Observations | None = None,
+        *,
+        platform: str,
     ) -> Bool[Array, "l b k s"]:
-        """The entries each layer/row/head keeps this round (all of them in rows not `due`)."""
-        protected = self.protected(buffer, n_generated)
-        eligible = buffer.valid & ~protected
-        scores = self.scores(buffer, n_generated, row_seeds, observations)
-        keep = protected | select_top(scores, eligible, self.kept_per_row(buffer.prompt_lens))
-        return jnp.where(self.due(buffer, n_generated)[None, :, None, None], keep, buffer.valid)
+        masks = self.round_masks(buffer)
+        scores = self.scores(buffer, row_seeds, observations)
+        count = self.rule.n_select(buffer.prompt_lens)[None, :, None]
+        keep = masks.protected | select_top(scores, masks.eligible, count)
+        return jnp.where(self.due(buffer)[None, :, None, None], keep, buffer.valid)
 
     def scores(
-        self,
-        buffer: KVBuffer,
-        n_generated: Int[Array, ""],
-        row_seeds: Int[Array, " b"],
-        observations: Observations | None = None,
+        self, buffer: KVBuffer, row_seeds: Int[Array, " b"], observations: Observations | None = None
     ) -> Float[Array, "l b k s"]:
         """A score per slot (higher is kept first); only eligible slots' scores matter."""
         raise NotImplementedError
-
-
-def select_top(
-    scores: Float[Array, "l b k s"], eligible: Bool[Array, "l b k s"], k: Int[Array, " b"]
-) -> Bool[Array, "l b k s"]:
-    """The k[b] highest-scoring eligible slots of each (layer, row, head); ties -> lower slot.
-
-    Eligible slots rank before all others whatever their score (even -inf), so every head keeps
-    exactly min(k, eligible) of them.
-    """
-    order = jnp.lexsort((-scores.astype(jnp.float32), ~eligible), axis=-1)  # stable: ties by slot
-    rank = jnp.argsort(order, axis=-1)  # rank of each slot in that order
-    return eligible & (rank < k[None, :, None, None])

@@ -15,8 +15,9 @@ as a pure function: the attention of queries [b, t, h, d] over one layer's slots
 head -> [b, k, t, s]; summing over t and steps gives `hh_score`. Deviations, all documented:
   - keep-sets are per KV head, so the score of a slot sums the attention of the KV head's whole
     query group (the original is written for multi-head attention, one score per head);
-  - hh_size = K, recent_size = r, and rounds run on the shared trigger (every r generated tokens,
-    see `EvictionPolicy`) instead of evicting one token per step once over hh_size + recent_size;
+  - hh_size = K_sel (budget - window, pinned entries included), recent_size = window, and rounds
+    run on the shared rule (every `interval` generated tokens, see `randkv_jax.rule`) instead of
+    evicting one token per step once over hh_size + recent_size;
   - a long prompt is not cut at prefill: its entries are evicted at rounds, if `protect` allows;
   - scores are per row (the original sums over the batch, assuming batch 1).
 Default protect "none": the original protects nothing but the recent window.
@@ -44,11 +45,7 @@ class H2O(EvictionPolicy):
         return ScoringNeeds(attention_sum=True)
 
     def scores(
-        self,
-        buffer: KVBuffer,
-        n_generated: Int[Array, ""],
-        row_seeds: Int[Array, " b"],
-        observations: Observations | None = None,
+        self, buffer: KVBuffer, row_seeds: Int[Array, " b"], observations: Observations | None = None
     ) -> Float[Array, "l b k s"]:
         """The attention each slot has accumulated (prefill and decode queries, summed per KV head)."""
         if observations is None or observations.attention_sum is None:

@@ -1,18 +1,21 @@
-"""Random Attention (arXiv 2609.03430): keep the prompt, keep K random generated entries per head.
+"""Random Attention (arXiv 2609.03430): pin the prompt, keep random entries per head for the rest.
 
 At every round each (layer, row, KV head) scores its eligible entries with fresh uniform draws
-and keeps the K highest: K uniformly random entries, drawn independently per head, per layer
-and per round. The draws come from `kernels.hash_prng.eviction_draws` on (seed, row seed,
-layer, head, round, slot), so a request's keep-sets depend on its own seed only, never on the
+and keeps the K_sel - pinned highest (see `randkv_jax.rule`): uniformly random entries, drawn
+independently per head, per layer and per round. The draws come from
+`kernels.hash_prng.eviction_draws` on (seed, row seed, layer, head, the row's generated count at
+the round, slot), so a request's keep-sets depend on its own seed and count only, never on the
 batch it runs in. Controls from the paper:
-  - `shared_across_heads`: one draw per layer, used by all its KV heads;
-  - `block_size` B: one draw per block of B consecutive slots (slot // B).
+  - `shared_across_heads`: one draw per layer, used by all its KV heads (`random_unified`);
+  - `slots_per_draw` B: one draw per block of B consecutive slots (slot // B; the paper's
+    `random_block_pp`, env BLOCK_SIZE).
 
 `backend` picks who computes a round's keep mask (the same mask bit for bit either way):
   - "xla":    the shared `EvictionPolicy.keep_mask` (draws, then a stable argsort per head);
   - "pallas": the Pallas kernel `kernels.random_keep` (draws and a threshold bisection inside
               the kernel; Mosaic on TPU, Triton on GPU, interpret mode on CPU);
-  - "auto":   Pallas when JAX's default backend is TPU or GPU, XLA on CPU.
+  - "auto":   Pallas when the decode program is built for TPU or GPU, XLA on CPU.
+The platform comes from the decode spec (`DecodeSpec.platform`), resolved once before tracing.
 """
 
 from __future__ import annotations
@@ -20,14 +23,13 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from randkv_jax.buffer import KVBuffer
 from randkv_jax.kernels.hash_prng import eviction_draws
 from randkv_jax.kernels.random_keep import random_keep_mask
-from randkv_jax.policies.base import EvictionPolicy, parse_protect
+from randkv_jax.policies.base import PLATFORMS, EvictionPolicy
 
 BACKENDS = ("auto", "pallas", "xla")
 
@@ -36,46 +38,47 @@ BACKENDS = ("auto", "pallas", "xla")
 class RandomAttention(EvictionPolicy):
     name: ClassVar[str] = "random"
     seed: int = 0
+    """Global seed of the draws (combined with each row's seed)."""
     shared_across_heads: bool = False
-    block_size: int = 1
+    """One keep-set per layer for all KV heads (the paper's shared-draw control)."""
+    slots_per_draw: int = 1
+    """Consecutive slots sharing one draw (the paper's block-size ablation; 1 = per entry)."""
     backend: str = "auto"
+    """"auto", "pallas" or "xla": who computes the keep mask (identical results)."""
 
-    def __post_init__(self):
-        super().__post_init__()
-        if not isinstance(self.block_size, int) or self.block_size <= 0:
-            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+    def _validate(self) -> None:
+        if not isinstance(self.slots_per_draw, int) or self.slots_per_draw <= 0:
+            raise ValueError(f"slots_per_draw must be a positive integer, got {self.slots_per_draw!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} ('auto': Pallas on TPU/GPU, XLA on CPU), "
                              f"got {self.backend!r}")
 
-    def resolved_backend(self) -> str:
-        """"pallas" or "xla": what `keep_mask` runs on the current default JAX backend."""
+    def resolved_backend(self, platform: str) -> str:
+        """"pallas" or "xla": what `keep_mask` runs for a program built for `platform`."""
+        if platform not in PLATFORMS:
+            raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
         if self.backend != "auto":
             return self.backend
-        return "pallas" if jax.default_backend() in ("tpu", "gpu") else "xla"
+        return "pallas" if platform in ("tpu", "gpu") else "xla"
 
-    def scores(
-        self, buffer: KVBuffer, n_generated: Int[Array, ""], row_seeds: Int[Array, " b"], observations=None
-    ) -> Float[Array, "l b k s"]:
+    def scores(self, buffer: KVBuffer, row_seeds: Int[Array, " b"], observations=None) -> Float[Array, "l b k s"]:
         l, b, k, s = buffer.positions.shape
         layer = jnp.arange(l)[:, None, None, None]
         head = 0 if self.shared_across_heads else jnp.arange(k)[None, None, :, None]
-        slot = jnp.arange(s)[None, None, None, :] // self.block_size
-        round_index = n_generated // self.buffer
-        draws = eviction_draws(self.seed, row_seeds[None, :, None, None], layer, head, round_index, slot)
+        slot = jnp.arange(s)[None, None, None, :] // self.slots_per_draw
+        per_row = lambda x: x[None, :, None, None]  # noqa: E731
+        draws = eviction_draws(self.seed, per_row(row_seeds), layer, head, per_row(buffer.generated), slot)
         return jnp.broadcast_to(draws, (l, b, k, s)).astype(jnp.float32)
 
     def keep_mask(
-        self, buffer: KVBuffer, n_generated: Int[Array, ""], row_seeds: Int[Array, " b"], observations=None
+        self, buffer: KVBuffer, row_seeds: Int[Array, " b"], observations=None, *, platform: str
     ) -> Bool[Array, "l b k s"]:
-        """The entries each layer/row/head keeps this round (all of them in rows not `due`)."""
-        if self.resolved_backend() == "xla":
-            return super().keep_mask(buffer, n_generated, row_seeds, observations)
-        # rows not due keep every valid entry: a K of `capacity` keeps all eligible slots
-        due = self.due(buffer, n_generated)
-        kept = jnp.where(due, self.kept_per_row(buffer.prompt_lens), buffer.capacity)
+        if self.resolved_backend(platform) == "xla":
+            return super().keep_mask(buffer, row_seeds, observations, platform=platform)
+        # rows not due keep every valid entry: selecting `capacity` keeps all eligible slots
+        n_select = jnp.where(self.due(buffer), self.rule.n_select(buffer.prompt_lens), buffer.capacity)
         return random_keep_mask(
-            buffer.positions, buffer.prompt_lens, kept, row_seeds, self.seed, n_generated,
-            buffer=self.buffer, sinks=parse_protect(self.protect),
-            shared_across_heads=self.shared_across_heads, block_size=self.block_size,
+            buffer.positions, buffer.prompt_lens, buffer.generated, n_select, row_seeds, self.seed,
+            rule=self.rule, platform="triton" if platform == "gpu" else "tpu", interpret=platform == "cpu",
+            shared_across_heads=self.shared_across_heads, slots_per_draw=self.slots_per_draw,
         )

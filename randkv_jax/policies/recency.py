@@ -1,7 +1,7 @@
-"""Recency: keep the K most recent eligible entries (the paper's "Recency window" control).
+"""Recency: keep the most recent eligible entries (the paper's "Recency window" control).
 
 Score = the entry's absolute position (newer = higher), so a round keeps the protected entries
-plus the K newest eligible ones: with protect="none" that is the newest K + r tokens of the
+plus the newest eligible ones: with protect="none" that is the newest T (= budget) tokens of the
 sequence. The Random Attention paper's Table 2 reports this row unprotected (.246) and with
 the prompt protected (.843); the default here is the unprotected control ("none").
 `StreamingLLM` (streaming.py) is this rule with the first 4 tokens protected.
@@ -29,7 +29,5 @@ class Recency(EvictionPolicy):
     name: ClassVar[str] = "recency"
     protect: str = "none"
 
-    def scores(
-        self, buffer: KVBuffer, n_generated: Int[Array, ""], row_seeds: Int[Array, " b"], observations=None
-    ) -> Float[Array, "l b k s"]:
+    def scores(self, buffer: KVBuffer, row_seeds: Int[Array, " b"], observations=None) -> Float[Array, "l b k s"]:
         return recency_scores(buffer.positions)

@@ -3,12 +3,12 @@
 score_j = lambda * importance_j - (1 - lambda) * redundancy_j, with
   importance = the SnapKV window score (`snapkv.snapkv_scores`, per the preset),
   redundancy_j = softmax_j( mean_i C_ij ),  C_ij = k^_i . k^_j,  k^ = k / (||k|| + 1e-8),
-over the candidate keys only (valid slots outside the r-token recency window), per row, layer
-and KV head, with C_ii = 0. Two presets:
+over the candidate keys only (valid slots outside the recency window, `RoundMasks.candidates`),
+per row, layer and KV head, with C_ii = 0. Two presets:
 
 - "paper": the Random Attention engine's `attn_rkv --rkv_lambda 0.5 --smooth`, the paper's grid
   (`SalesforceAIResearch/Random-Attention kvcompress/engine/cache_utils.py`, `cal_redundancy`):
-  importance = SnapKV "paper" (w = r, per-head softmax, avg-pool 5, group mean), lambda = 0.5,
+  importance = SnapKV "paper" (the interval's queries, per-head softmax, avg-pool 5, group mean), lambda = 0.5,
   no similarity threshold.
 - "official": the R-KV repository (`Zefan-Cai/R-KV rkv/compression/r1_kv.py`, `rkv/utils.py
   cal_similarity`; lambda 0.1 from `HuggingFace/run_math.py` and the engine's `rkv_official`
@@ -23,7 +23,7 @@ and KV head, with C_ii = 0. Two presets:
   port, only candidate keys enter it.
 
 The original R-KV budget counts the prompt and protects nothing but the window: default protect
-"none" (the engine's `attn_rkv` forces nothing either). Rounds use the shared trigger.
+"none" (the engine's `attn_rkv` forces nothing either). Rounds use the shared rule.
 Layers are scored one at a time (`lax.map`): the threshold rule needs the s x s similarity
 matrix of each (row, KV head); without a threshold, sum_i C_ij = k^_j . sum_i k^_i - C_jj
 avoids forming it.
@@ -41,13 +41,7 @@ from jaxtyping import Array, Bool, Float, Int
 from randkv_jax.buffer import KVBuffer
 from randkv_jax.observations import Observations, ScoringNeeds
 from randkv_jax.policies.base import EvictionPolicy
-from randkv_jax.policies.snapkv import (
-    SNAPKV_PRESETS,
-    WindowAttention,
-    attention_candidates,
-    resolve_window,
-    snapkv_scores,
-)
+from randkv_jax.policies.snapkv import SNAPKV_PRESETS, WindowAttention, query_window, snapkv_scores
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,11 +108,10 @@ class RKV(EvictionPolicy):
     preset: str = "paper"
     """A key of `RKV_PRESETS`: "paper" (engine `attn_rkv`, lambda 0.5) or "official" (R-KV repo)."""
 
-    def __post_init__(self):
-        super().__post_init__()
+    def _validate(self) -> None:
         if self.preset not in RKV_PRESETS:
             raise ValueError(f"RKV preset must be one of {sorted(RKV_PRESETS)}, got {self.preset!r}")
-        resolve_window(self.settings.attention, self)
+        query_window(self.settings.attention, self)
 
     @property
     def settings(self) -> RKVSettings:
@@ -126,18 +119,14 @@ class RKV(EvictionPolicy):
 
     @property
     def needs(self) -> ScoringNeeds:
-        return ScoringNeeds(query_window=resolve_window(self.settings.attention, self))
+        return ScoringNeeds(query_window=query_window(self.settings.attention, self))
 
     def scores(
-        self,
-        buffer: KVBuffer,
-        n_generated: Int[Array, ""],
-        row_seeds: Int[Array, " b"],
-        observations: Observations | None = None,
+        self, buffer: KVBuffer, row_seeds: Int[Array, " b"], observations: Observations | None = None
     ) -> Float[Array, "l b k s"]:
         if observations is None or observations.queries is None:
             raise ValueError("RKV needs observations with queries (its `needs`)")
-        candidates = attention_candidates(buffer, n_generated, self.buffer)
+        candidates = self.round_masks(buffer).candidates
         return jax.lax.map(
             lambda x: rkv_scores(*x, self.settings), (observations.queries, buffer.keys, candidates)
         )

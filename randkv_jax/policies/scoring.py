@@ -71,8 +71,3 @@ def reduce_group(x: Float[Array, "b h ..."], kv_heads: int, mode: str) -> Float[
         return grouped.max(axis=2)
     raise ValueError(f"group reduction must be 'mean' or 'max', got {mode!r}")
 
-
-def ordered_window(queries: Float[Array, "l b h w d"], step) -> Float[Array, "l b h w d"]:
-    """The query ring in chronological order (oldest first), given the number of steps recorded."""
-    w = queries.shape[3]
-    return jnp.roll(queries, -(step % w), axis=3)

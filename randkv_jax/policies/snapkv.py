@@ -1,14 +1,15 @@
 """SnapKV (Li et al., 2024, arXiv 2404.14469) as a decode-time eviction policy: keep the entries
 the most recent queries attend to, smoothed along the sequence.
 
-score_j = reduce_group( pool_j( mean over the w window queries of softmax_j(q . k_j / sqrt(d)) ) ),
-the softmax running over the candidate slots only (every valid slot but the r-token recency
-window, as the engine does: prompt included even when `protect` keeps it). Two presets:
+score_j = reduce_group( pool_j( mean over the q window queries of softmax_j(q . k_j / sqrt(d)) ) ),
+the softmax running over the candidate slots only (every valid slot outside the policy's window,
+as the engine does: pinned prompt entries included, `RoundMasks.candidates`). Two presets:
 
 - "paper": the Random Attention engine's `attn --smooth` mode, the paper's grid
   (`SalesforceAIResearch/Random-Attention kvcompress/engine/cache_utils.py`,
-  `compute_attention_scores`, derived from VaSE's engine): w = r (the engine's query buffer is
-  the last `residual_length` queries), softmax per query head, mean over the window,
+  `compute_attention_scores`, derived from VaSE's engine): q = the policy's interval i, i.e. the
+  queries since the last round (the engine's query buffer holds the last `residual_length`
+  queries, and there window = interval = residual_length), softmax per query head, mean over the window,
   `avg_pool1d(kernel 5, padding 2)` per query head (zero padding counted), mean over the KV
   head's query group. The paper's text calls SnapKV "max-pooled"; its code average-pools
   (kernel 5, citing kvpress `snapkv_press.py`); this preset follows the code.
@@ -18,10 +19,10 @@ window, as the engine does: prompt included even when `protect` keeps it). Two p
   `max_pool1d(kernel 7, padding 3)` per KV head.
 
 The original SnapKV (`FasterDecoding/SnapKV`) compresses the prompt once at prefill; both
-presets are its decode-time ports. In both, the candidates exclude the r-token recency window
+presets are its decode-time ports. In both, the candidates exclude the recency window
 (R-KV's code excludes its 8 window keys: its window and recency buffer coincide). Neither
-forces sinks or the prompt: default protect "none". Rounds run on the shared trigger (every r
-generated tokens, keep K eligible plus the window).
+forces sinks or the prompt: default protect "none". Rounds run on the shared rule
+(`randkv_jax.rule`).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from randkv_jax.policies.scoring import candidate_attention, pool_slots, reduce_
 class WindowAttention:
     """How a query-window attention score is computed (a SnapKV preset)."""
 
-    window: int | None
-    """Window queries; None: the policy's recency buffer r (the engine's query buffer)."""
+    queries: int | None
+    """Window queries; None: the policy's interval (the queries since the last round)."""
     kernel: int
     """Pooling kernel along the slots (odd)."""
     pool: str
@@ -54,8 +55,8 @@ class WindowAttention:
 
 
 SNAPKV_PRESETS = {
-    "paper": WindowAttention(window=None, kernel=5, pool="avg", group="mean"),
-    "rkv-repo": WindowAttention(window=8, kernel=7, pool="max", group="max_logits"),
+    "paper": WindowAttention(queries=None, kernel=5, pool="avg", group="mean"),
+    "rkv-repo": WindowAttention(queries=8, kernel=7, pool="max", group="max_logits"),
 }
 
 
@@ -83,32 +84,14 @@ def snapkv_scores(
     raise ValueError(f"group must be 'mean' or 'max_logits', got {group!r}")
 
 
-def attention_candidates(buffer: KVBuffer, n_generated: Int[Array, ""], r: int) -> Bool[Array, "l b k s"]:
-    """Valid slots outside the r-token recency window: what the window softmax runs over."""
-    recent = buffer.positions >= buffer.prompt_lens[None, :, None, None] + n_generated - r
-    return buffer.valid & ~recent
-
-
-def window_scores(
-    settings: WindowAttention, policy: EvictionPolicy, buffer: KVBuffer, n_generated, observations
-) -> Float[Array, "l b k s"]:
-    """`snapkv_scores` of every layer, from the observed query window (one layer at a time, so a
-    round holds one layer's [b, h, w, s] attention)."""
-    if observations is None or observations.queries is None:
-        raise ValueError(f"{type(policy).__name__} needs observations with queries (its `needs`)")
-    candidates = attention_candidates(buffer, n_generated, policy.buffer)
-    score = lambda x: snapkv_scores(  # noqa: E731
-        *x, kernel=settings.kernel, pool=settings.pool, group=settings.group)
-    return jax.lax.map(score, (observations.queries, buffer.keys, candidates))
-
-
-def resolve_window(settings: WindowAttention, policy: EvictionPolicy) -> int:
-    """The preset's window size for `policy`; it must fit in r (the ring is full at every round)."""
-    window = policy.buffer if settings.window is None else settings.window
-    if window > policy.buffer:
-        raise ValueError(f"{type(policy).__name__}: query window {window} exceeds buffer r={policy.buffer}; "
-                         f"rounds run every r steps, so the window would hold unwritten queries")
-    return window
+def query_window(settings: WindowAttention, policy: EvictionPolicy) -> int:
+    """The preset's number of window queries for `policy`; it must fit in the interval (the ring
+    is full at every round only if at least that many steps ran since the last one)."""
+    queries = policy.interval if settings.queries is None else settings.queries
+    if queries > policy.interval:
+        raise ValueError(f"{type(policy).__name__}: query window {queries} exceeds the interval "
+                         f"i={policy.interval}; rounds run every i steps, so the window would hold unwritten queries")
+    return queries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,11 +101,10 @@ class SnapKV(EvictionPolicy):
     preset: str = "paper"
     """A key of `SNAPKV_PRESETS`: "paper" (engine `attn --smooth`) or "rkv-repo"."""
 
-    def __post_init__(self):
-        super().__post_init__()
+    def _validate(self) -> None:
         if self.preset not in SNAPKV_PRESETS:
             raise ValueError(f"SnapKV preset must be one of {sorted(SNAPKV_PRESETS)}, got {self.preset!r}")
-        resolve_window(self.settings, self)
+        query_window(self.settings, self)
 
     @property
     def settings(self) -> WindowAttention:
@@ -130,13 +112,15 @@ class SnapKV(EvictionPolicy):
 
     @property
     def needs(self) -> ScoringNeeds:
-        return ScoringNeeds(query_window=resolve_window(self.settings, self))
+        return ScoringNeeds(query_window=query_window(self.settings, self))
 
     def scores(
-        self,
-        buffer: KVBuffer,
-        n_generated: Int[Array, ""],
-        row_seeds: Int[Array, " b"],
-        observations: Observations | None = None,
+        self, buffer: KVBuffer, row_seeds: Int[Array, " b"], observations: Observations | None = None
     ) -> Float[Array, "l b k s"]:
-        return window_scores(self.settings, self, buffer, n_generated, observations)
+        """`snapkv_scores` of every layer, from the observed query window (one layer at a time, so
+        a round holds one layer's [b, h, q, s] attention)."""
+        if observations is None or observations.queries is None:
+            raise ValueError("SnapKV needs observations with queries (its `needs`)")
+        s = self.settings
+        score = lambda x: snapkv_scores(*x, kernel=s.kernel, pool=s.pool, group=s.group)  # noqa: E731
+        return jax.lax.map(score, (observations.queries, buffer.keys, self.round_masks(buffer).candidates))

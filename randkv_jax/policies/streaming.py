@@ -2,11 +2,11 @@
 keep the first 4 tokens (attention sinks) and the most recent ones.
 
 Here: `Recency`'s position score with protect="sinks:4" by default, so a round keeps positions
-0..3, the K newest eligible entries and the r-token window (K + r recent tokens in all). The
-R-KV repo's and kvpress' `StreamingLLMPress` (n_sink=4) keep the first 4 plus the newest
-budget - 4; set `protect` to "prompt" or "none" for the paper's controlled comparison. Sinks are
-prompt tokens ("sinks:N" protects the first min(N, prompt length)), so a prompt shorter than 4
-tokens has fewer sinks (the original counts the first 4 tokens of the sequence).
+0..3 and the newest budget - 4 entries (the window among them), as the R-KV repo's and kvpress'
+`StreamingLLMPress` (n_sink=4) do; set `protect` to "prompt" or "none" for the paper's
+controlled comparison. Sinks are prompt tokens ("sinks:N" pins the first min(N, P, K_sel - 1)),
+so a prompt shorter than 4 tokens has fewer sinks (the original counts the first 4 tokens of
+the sequence).
 """
 
 from __future__ import annotations

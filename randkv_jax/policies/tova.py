@@ -13,8 +13,8 @@ over all query heads; one score per slot for the whole layer, so every KV head k
 slots. That relies on slot i holding the same token in every KV head of a layer, which holds as
 long as all keep-sets are per layer (prefill writes the same positions to every head).
 Deviations, documented: the original evicts one token per step once over `cache_size`; here
-rounds run on the shared trigger (every r generated tokens, keeping K eligible plus the r-token
-window, see `EvictionPolicy`), as the comparison requires of every policy. Default protect
+rounds run on the shared rule (every `interval` generated tokens, down to `budget` entries with
+the window kept, see `randkv_jax.rule`), as the comparison requires of every policy. Default protect
 "none", as in the original.
 """
 
@@ -54,11 +54,7 @@ class TOVA(EvictionPolicy):
         return ScoringNeeds(query_window=1)
 
     def scores(
-        self,
-        buffer: KVBuffer,
-        n_generated: Int[Array, ""],
-        row_seeds: Int[Array, " b"],
-        observations: Observations | None = None,
+        self, buffer: KVBuffer, row_seeds: Int[Array, " b"], observations: Observations | None = None
     ) -> Float[Array, "l b k s"]:
         if observations is None or observations.queries is None:
             raise ValueError("TOVA scores need observations with queries (ScoringNeeds(query_window=1))")

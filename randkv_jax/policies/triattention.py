@@ -17,7 +17,7 @@ round where t = the number of tokens in the sequence (the position the next toke
 with D = {1, 2, 4, ..., 2^16} (powers of two up to `offset_max` = 65536; pu L245-253, tri L43,
 cli L311), the mean over D (cli L312), omega_f = RoPE inv_freq and s_f = the RoPE attention
 scaling (1 for plain RoPE; pu L212-224). t is the compressor's `absolute_position` after the
-decode step that triggered the round (tri L650-653, L880-892); here t = prompt_len + n_generated.
+decode step that triggered the round (tri L650-653, L880-892); here t = prompt_len + generated.
 amp cos(omega Delta + phi) = Re(q_mean conj(k) exp(i omega Delta)), so the mean over D is
 computed exactly as Re(q_mean conj(k) exp(i omega (t - p)) M) with M_f = mean_D exp(i omega_f
 delta) evaluated once in float64 (the repo evaluates each offset's phase in float32).
@@ -27,13 +27,14 @@ Aggregation ("per_head", the paper's variant: cli L302, tri L368-450):
      clamped below at 1e-6 (tri L259-262; on in every runner, cli L307);
   2. add 1e-6 * U[0, 1) tie-break noise per (layer, query head, slot) (tri L264-271; the repo
      draws it from a torch generator seeded with `pruning_seed` = 0, cli L313; here from
-     `kernels.hash_prng.eviction_draws(seed, row_seed, layer, query head, round, slot)`);
+     `kernels.hash_prng.eviction_draws(seed, row_seed, layer, query head, generated, slot)`);
   3. per KV head: max over its query group (h // g, tri L400, L420), then mean over layers (L426);
   4. keep the top K per KV head, the same slots in every layer (tri L431-434, L967-983).
-Candidates are the round's eligible slots (valid, not protected). The repo's are all decode
-tokens (tri L205-224): its HF path has no recency window, while here the r newest tokens are
-kept by the shared skeleton and take no part in the normalisation.
-The prompt is always kept by default (`protect="prompt"`, tri L182-184, L442-448). Because every
+Candidates are the round's eligible slots (valid, neither pinned nor in the window). The repo's
+are all decode tokens (tri L205-224): its HF path has no recency window, while here the window
+is kept by the shared rule and takes no part in the normalisation.
+The prompt is pinned by default (`protect="prompt"`, tri L182-184, L442-448), inside the budget
+as the repo counts it (`decode_budget = budget - prefix`; `randkv_jax.rule`). Because every
 round keeps the same slots in all layers, a slot holds the same token in every layer, which the
 mean over layers relies on.
 """
@@ -51,7 +52,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from randkv_jax.buffer import KVBuffer
 from randkv_jax.calibration import CalibrationStats, load_stats
-from randkv_jax.kernels.hash_prng import DRAW_BITS, eviction_draws
+from randkv_jax.kernels.hash_prng import eviction_draws, open_uniform
 from randkv_jax.policies.base import EvictionPolicy
 from randkv_jax.policies.scoring import reduce_group
 
@@ -131,8 +132,7 @@ class TriAttention(EvictionPolicy):
     seed: int = 0
     offset_max: int = 65536
 
-    def __post_init__(self):
-        super().__post_init__()
+    def _validate(self) -> None:
         if self.stats is None:
             raise ValueError("TriAttention needs calibration statistics: pass stats=DIR "
                              "(compute them with `randkv calibrate --model CHECKPOINT --text FILE`)")
@@ -155,12 +155,10 @@ class TriAttention(EvictionPolicy):
                 f"do not fit this model ({l} layers, {kv} KV heads, head dim {d}): calibrate for this model"
             )
 
-    def scores(
-        self, buffer: KVBuffer, n_generated: Int[Array, ""], row_seeds: Int[Array, " b"], observations=None
-    ) -> Float[Array, "l b k s"]:
+    def scores(self, buffer: KVBuffer, row_seeds: Int[Array, " b"], observations=None) -> Float[Array, "l b k s"]:
         self._check_shapes(buffer)
         st = self.stats
-        t = buffer.prompt_lens + n_generated
+        t = buffer.prompt_lens + buffer.generated
 
         def layer_scores(args):
             keys, positions, q_re, q_im, q_abs = args
@@ -170,11 +168,11 @@ class TriAttention(EvictionPolicy):
         raw = jax.lax.map(layer_scores, (buffer.keys, buffer.positions, jnp.asarray(st.q_mean_real),
                                          jnp.asarray(st.q_mean_imag), jnp.asarray(st.q_abs_mean)))
         l, b, h, s = raw.shape
+        per_row = lambda x: x[None, :, None, None]  # noqa: E731
         draws = eviction_draws(
-            self.seed, row_seeds[None, :, None, None], jnp.arange(l)[:, None, None, None],
-            jnp.arange(h)[None, None, :, None], n_generated // self.buffer, jnp.arange(s)[None, None, None, :],
+            self.seed, per_row(row_seeds), jnp.arange(l)[:, None, None, None], jnp.arange(h)[None, None, :, None],
+            per_row(buffer.generated), jnp.arange(s)[None, None, None, :],
         )
-        noise = (draws.astype(jnp.float32) + 0.5) / 2.0**DRAW_BITS
-        candidates = buffer.valid & ~self.protected(buffer, n_generated)
-        kept = aggregate_per_head(raw, candidates, noise)
+        noise = open_uniform(draws)
+        kept = aggregate_per_head(raw, self.round_masks(buffer).eligible, noise)
         return jnp.broadcast_to(kept[None], buffer.positions.shape)
