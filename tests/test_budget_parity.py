@@ -25,7 +25,6 @@ from randkv_jax import policies
 from randkv_jax.calibration import calibrate
 from randkv_jax.decode import DecodeSpec, decode_chunk, padded_capacity, prefill
 from randkv_jax.sampling import SamplingParams
-from tests.hf_tiny import save_tiny
 
 T, W, I = 32, 8, 4  # budget, window, interval: K_sel = 24
 PROMPT_LENS = (5, 19, 40)  # shorter than K_sel, just under it, longer (its tail competes)
@@ -35,16 +34,9 @@ EVICTING = [name for name in policies.available() if name != "full"]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("qwen3_untied")
-    save_tiny("qwen3_untied", directory, seed=3)
-    return randkv_jax.load_model(directory, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def stats_dir(model, tmp_path_factory):
-    ids = np.random.default_rng(0).integers(3, model.config.vocab_size, size=96).tolist()
-    return calibrate(model, ids, tmp_path_factory.mktemp("stats") / "stats")
+def stats_dir(tiny_model, tmp_path_factory):
+    ids = np.random.default_rng(0).integers(3, tiny_model.config.vocab_size, size=96).tolist()
+    return calibrate(tiny_model, ids, tmp_path_factory.mktemp("stats") / "stats")
 
 
 def _policy(name, protect, stats_dir):
@@ -59,21 +51,21 @@ def _expected_pins(protect, prompt_len):
 
 @pytest.mark.parametrize("protect", list(PROTECT))
 @pytest.mark.parametrize("name", EVICTING)
-def test_every_round_leaves_exactly_the_budget(model, stats_dir, name, protect):
+def test_every_round_leaves_exactly_the_budget(tiny_model, stats_dir, name, protect):
     policy = _policy(name, protect, stats_dir)
     rng = np.random.default_rng(1)
     prompts = np.zeros((len(PROMPT_LENS), 64), np.int32)
     for row, n in enumerate(PROMPT_LENS):
         prompts[row, :n] = rng.integers(3, 256, size=n)
     capacity = padded_capacity(policy, max(PROMPT_LENS), NEW_TOKENS)
-    spec = DecodeSpec(config=model.config, dtype=model.dtype, policy=policy, sampling=SamplingParams(),
+    spec = DecodeSpec(config=tiny_model.config, dtype=tiny_model.dtype, policy=policy, sampling=SamplingParams(),
                       max_new_tokens=NEW_TOKENS, stop_ids=(), pad_id=0, platform="cpu")
-    state = prefill(model.params, jnp.asarray(prompts), jnp.asarray(PROMPT_LENS, jnp.int32),
+    state = prefill(tiny_model.params, jnp.asarray(prompts), jnp.asarray(PROMPT_LENS, jnp.int32),
                     jnp.arange(3, dtype=jnp.int32), spec=spec, capacity=capacity)
     held = list(PROMPT_LENS)  # the rule's count per row, tracked independently
     rounds = [0] * len(PROMPT_LENS)
     while not bool(jnp.all(state.done)):
-        state = decode_chunk(model.params, state, jnp.int32(I), spec=spec)
+        state = decode_chunk(tiny_model.params, state, jnp.int32(I), spec=spec)
         g = int(state.buffer.generated[0])
         positions = np.asarray(state.buffer.positions)
         assert g % I == 0 and (np.asarray(state.buffer.generated) == g).all()
@@ -99,7 +91,7 @@ def test_every_round_leaves_exactly_the_budget(model, stats_dir, name, protect):
     assert capacity == 128 and capacity >= max(max(p, T) + I for p in PROMPT_LENS)
 
 
-def test_policies_hold_the_same_number_of_entries_at_one_budget(model, stats_dir):
+def test_policies_hold_the_same_number_of_entries_at_one_budget(tiny_model, stats_dir):
     """The comparison the paper makes: at one budget, Random Attention (prompt pinned) and SnapKV /
     R-KV / VaSE (unprotected) hold the same number of entries; only which ones differ."""
     prompts = [np.random.default_rng(2).integers(3, 256, size=n).tolist() for n in (12, 30)]
@@ -107,16 +99,16 @@ def test_policies_hold_the_same_number_of_entries_at_one_budget(model, stats_dir
     for name in ("random", "snapkv", "rkv", "vase", "triattention", "recency"):
         extra = {"stats": stats_dir} if name == "triattention" else {}
         policy = policies.get(name, budget=T, buffer=8, **extra)
-        out = randkv_jax.generate(model, prompts, policy=policy, max_new_tokens=64, chat=False, ignore_eos=True)
+        out = randkv_jax.generate(tiny_model, prompts, policy=policy, max_new_tokens=64, chat=False, ignore_eos=True)
         held[name] = [(s.held_after_round, s.peak_slots) for s in out.stats]
     assert len(set(map(tuple, held.values()))) == 1, held
     assert held["random"] == [(T, T + 8), (T, T + 8)]
 
 
-def test_full_attention_is_a_policy_that_is_never_due(model):
+def test_full_attention_is_a_policy_that_is_never_due(tiny_model):
     full = policies.FullAttention()
     prompts = [[5, 6, 7], [8, 9]]
-    out = randkv_jax.generate(model, prompts, policy=full, max_new_tokens=20, chat=False, ignore_eos=True,
+    out = randkv_jax.generate(tiny_model, prompts, policy=full, max_new_tokens=20, chat=False, ignore_eos=True,
                               return_state=True)
     assert not bool(jnp.any(full.due(out.state.buffer)))
     assert [s.evictions for s in out.stats] == [0, 0] and [s.peak_slots for s in out.stats] == [22, 21]  # the last token is not written

@@ -25,7 +25,6 @@ from randkv_jax.decode import padded_capacity
 from randkv_jax.kernels.random_keep import PLATFORMS, random_keep_mask, random_keep_mask_reference
 from randkv_jax.policies import RandomAttention
 from randkv_jax.rule import EvictionRule, parse_protect
-from tests.hf_tiny import save_tiny
 
 # a small pool of compiled cases (compiling one costs ~2-4 s here); hypothesis draws the data.
 # shape = (layers, batch, KV heads, slots): 10 KV heads as Phi-4, slot counts not powers of two.
@@ -385,13 +384,6 @@ def test_shared_across_heads_shares_and_blocks_come_whole():
 
 
 # --- end to end: generate() with the kernel in the decode loop
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("qwen3_untied")
-    save_tiny("qwen3_untied", directory, seed=3)
-    return randkv_jax.load_model(directory, dtype="float32")
-
-
 def test_generate_pallas_equals_xla(tiny_model):
     rng = np.random.default_rng(7)
     prompts = [rng.integers(3, 256, size=n).tolist() for n in (5, 17, 11)]

@@ -30,7 +30,7 @@ from randkv_jax.policies.rkv import RKV, RKV_PRESETS, rkv_scores
 from randkv_jax.policies.snapkv import SnapKV, snapkv_scores
 from randkv_jax.policies.vase import VaSE, gumbel, vase_scores
 from randkv_jax.rule import select_top
-from tests.hf_tiny import save_tiny
+from tests.budget_rule import simulate_fill
 
 # jitted once per static configuration and shape (compiling dominates the run time on CPU)
 snapkv_jit = jax.jit(snapkv_scores, static_argnames=("kernel", "pool", "group"))
@@ -571,25 +571,6 @@ def test_presets_needs_and_validation():
 
 
 # ---------------------------------------------------------------- through generate
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("qwen3_untied")
-    save_tiny("qwen3_untied", directory, seed=3)
-    return randkv_jax.load_model(directory, dtype="float32")
-
-
-def simulate_fill(policy, prompt_len, steps):
-    """Entries a row holds under the budget rule: (final fill, peak, rounds, generated at the last round)."""
-    fill = peak = prompt_len
-    rounds, last = 0, None
-    for generated in range(1, steps + 1):
-        fill += 1
-        peak = max(peak, fill)
-        if generated % policy.interval == 0 and fill > policy.budget:
-            fill, rounds, last = policy.budget, rounds + 1, generated
-    return fill, peak, rounds, last
 
 
 @pytest.mark.parametrize("name, protect", [

@@ -29,7 +29,7 @@ from randkv_jax.policies.recency import Recency, recency_scores
 from randkv_jax.policies.streaming import StreamingLLM
 from randkv_jax.policies.tova import TOVA, tova_scores
 from randkv_jax.sampling import SamplingParams
-from tests.hf_tiny import save_tiny
+from tests.budget_rule import simulate_fill
 
 T, R = 14, 8  # simulated rounds: budget (window included), window = interval
 K_SEL = T - R
@@ -284,28 +284,9 @@ POLICIES = {
 }
 
 
-def simulate_fill(policy, prompt_len, steps):
-    """Entries a row holds under the budget rule: (final fill, peak, rounds, generated at the last round)."""
-    fill = peak = prompt_len
-    rounds, last = 0, None
-    for generated in range(1, steps + 1):
-        fill += 1
-        peak = max(peak, fill)
-        if generated % policy.interval == 0 and fill > policy.budget:
-            fill, rounds, last = policy.budget, rounds + 1, generated
-    return fill, peak, rounds, last
-
-
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("qwen3_untied")
-    save_tiny("qwen3_untied", directory, seed=3)
-    return randkv_jax.load_model(directory, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def runs(model):
-    return {name: randkv_jax.generate(model, PROMPTS, policy=policy, max_new_tokens=80, chat=False,
+def runs(tiny_model):
+    return {name: randkv_jax.generate(tiny_model, PROMPTS, policy=policy, max_new_tokens=80, chat=False,
                                       ignore_eos=True, return_state=True)
             for name, policy in POLICIES.items() if name != "random"}
 
@@ -345,16 +326,16 @@ def test_recency_and_streaming_keep_the_newest(runs, name):
             assert held[held >= 0].tolist() == sinks + newest
 
 
-def test_random_attention_loop_state_and_program_have_no_observations(model):
+def test_random_attention_loop_state_and_program_have_no_observations(tiny_model):
     """Shapes only (traced, not compiled): the state `prefill` builds and `decode_chunk`'s inputs."""
     prompts, lens, seeds = jnp.zeros((3, 64), jnp.int32), jnp.asarray([5, 17, 11]), jnp.arange(3)
 
     def state_and_signature(name):
-        spec = DecodeSpec(config=model.config, dtype=model.dtype, policy=POLICIES[name],
+        spec = DecodeSpec(config=tiny_model.config, dtype=tiny_model.dtype, policy=POLICIES[name],
                           sampling=SamplingParams(0.0, 1.0, 0), max_new_tokens=80, stop_ids=(), pad_id=0,
                           platform="cpu")
-        state = jax.eval_shape(functools.partial(prefill, spec=spec, capacity=128), model.params, prompts, lens, seeds)
-        text = decode_chunk.lower(model.params, state, jnp.int32(1), spec=spec).as_text()
+        state = jax.eval_shape(functools.partial(prefill, spec=spec, capacity=128), tiny_model.params, prompts, lens, seeds)
+        text = decode_chunk.lower(tiny_model.params, state, jnp.int32(1), spec=spec).as_text()
         return state, re.search(r"func\.func public @main\((.*)", text).group(1)
 
     (random_state, random_main), (h2o_state, h2o_main), (tova_state, _) = map(
@@ -367,14 +348,14 @@ def test_random_attention_loop_state_and_program_have_no_observations(model):
     l, b, k, s = random_state.buffer.positions.shape
     attention_sum = f"tensor<{l}x{b}x{k}x{s}xf32>"
     assert attention_sum not in random_main and attention_sum in h2o_main
-    assert random_main.count("%arg") == len(jax.tree.leaves(model.params)) + leaves + 1
-    assert h2o_main.count("%arg") == len(jax.tree.leaves(model.params)) + leaves + 2
+    assert random_main.count("%arg") == len(jax.tree.leaves(tiny_model.params)) + leaves + 1
+    assert h2o_main.count("%arg") == len(jax.tree.leaves(tiny_model.params)) + leaves + 2
 
 
-def _queries_and_keys(model, sequences):
+def _queries_and_keys(tiny_model, sequences):
     """Post-RoPE queries [l, b, t, h, d] and keys [l, b, t, k, d] of right-padded sequences, by a
     dense causal forward pass (padding comes after every real token, so it changes nothing)."""
-    c = model.config
+    c = tiny_model.config
     b, t = len(sequences), max(map(len, sequences))
     tokens = np.zeros((b, t), np.int32)
     for row, seq in enumerate(sequences):
@@ -395,22 +376,22 @@ def _queries_and_keys(model, sequences):
             {"params": params}, tokens, positions, inputs, cache)
         return qs, ks
 
-    qs, ks = forward(model.params, jnp.asarray(tokens))
+    qs, ks = forward(tiny_model.params, jnp.asarray(tokens))
     return np.asarray(qs, np.float64), np.asarray(ks, np.float64)
 
 
-def test_h2o_attention_sum_recorded_by_the_loop_equals_numpy(model):
+def test_h2o_attention_sum_recorded_by_the_loop_equals_numpy(tiny_model):
     """No eviction (K is large): every prefill and decode query's attention, summed per KV head."""
-    out = randkv_jax.generate(model, PROMPTS[:2], policy=H2O(budget=64, buffer=8), max_new_tokens=20,
+    out = randkv_jax.generate(tiny_model, PROMPTS[:2], policy=H2O(budget=64, buffer=8), max_new_tokens=20,
                               chat=False, ignore_eos=True, return_state=True)
     assert all(s.evictions == 0 and s.held_after_round == 0 for s in out.stats)
     n = int(out.state.buffer.generated[0])
     np.testing.assert_array_equal(np.asarray(out.state.buffer.generated), [n, n])
     sums = np.asarray(out.state.observations.attention_sum)
-    c = model.config
+    c = tiny_model.config
     g = c.num_heads // c.num_kv_heads
     sequences = [prompt + out.tokens[row][:n] for row, prompt in enumerate(PROMPTS[:2])]  # what the buffer got
-    qs, ks = _queries_and_keys(model, sequences)
+    qs, ks = _queries_and_keys(tiny_model, sequences)
     for row, seq in enumerate(sequences):
         assert int(out.state.buffer.fill[row]) == len(seq)
         want = np.zeros((c.num_layers, c.num_kv_heads, len(seq)))
