@@ -64,8 +64,10 @@ def _policy(args: argparse.Namespace):
         )
     if args.budget is not None and args.selected is not None:
         raise ValueError("give --budget (entries held, window included) or --selected (budget minus window), not both")
-    window = args.window or args.buffer or 64
-    interval = args.interval or args.buffer or window
+    if args.buffer is not None and (args.window is not None or args.interval is not None):
+        raise ValueError("--buffer sets the window and the interval both: give it or --window/--interval, not both")
+    window = next((v for v in (args.buffer, args.window) if v is not None), policies.EvictionPolicy.window)
+    interval = next((v for v in (args.buffer, args.interval) if v is not None), window)
     budget = args.budget if args.selected is None else args.selected + window
     fields = policies.fields_of(args.policy)
     options = {"budget": budget, "window": window, "interval": interval, "protect": args.protect,

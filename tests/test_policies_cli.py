@@ -38,6 +38,7 @@ def test_generate_cli_runs_every_policy(tiny_dir, name, capsys):
     (["--convention", "engine"], "--convention is gone"),
     (["--budget", "64", "--selected", "32"], "not both"),
     (["--budget", "8", "--buffer", "8"], "must exceed the window"),
+    (["--buffer", "8", "--window", "16"], "not both"),
 ])
 def test_generate_cli_refuses_old_or_conflicting_budget_options(tiny_dir, argv, match, capsys):
     assert main(["generate", "--model", str(tiny_dir), "--prompt", "the sum", "--no-chat", *argv]) == 2
