@@ -15,29 +15,25 @@ import argparse
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from randkv_jax.decode import DecodeSpec, decode_chunk, platform_of, prefill
+from randkv_jax.engine import Engine
 from randkv_jax.models.loading import load_model
 from randkv_jax.policies import FullAttention
-from randkv_jax.sampling import SamplingParams
 
 
 def time_steps(model, capacity: int, batch: int, filled: int, steps: int) -> float:
-    spec = DecodeSpec(model.config, model.dtype, FullAttention(), SamplingParams(), max_new_tokens=4 * steps + 8,
-                      stop_ids=(), pad_id=0, platform=platform_of(model.params))
+    """Best ms per decode step over two chunks of `steps`, after a warm-up chunk."""
+    engine = Engine(model, policy=FullAttention(), slots=batch, capacity=capacity, chunk=steps)
     rng = np.random.default_rng(0)
-    prompts = jnp.asarray(rng.integers(10, model.config.vocab_size, size=(batch, filled)), jnp.int32)
-    lens = jnp.full((batch,), filled, jnp.int32)
-    state = prefill(model.params, prompts, lens, jnp.arange(batch, dtype=jnp.int32), spec=spec, capacity=capacity)
-    state = decode_chunk(model.params, state, jnp.int32(4), spec=spec)  # compile + warm up
-    int(state.buffer.generated[0])  # waits for the chunk
+    for row in range(batch):
+        engine.submit(rng.integers(10, model.config.vocab_size, size=filled).tolist(), max_new_tokens=3 * steps + 8,
+                      seed=row, ignore_eos=True)
+    engine.step()  # prefill, insert, the first chunk: compiles and warms up
     best = float("inf")
     for _ in range(2):
         start = time.perf_counter()
-        state = decode_chunk(model.params, state, jnp.int32(steps), spec=spec)
-        int(state.buffer.generated[0])
+        engine.step()  # one chunk, synchronised (the host reads the tokens)
         best = min(best, (time.perf_counter() - start) / steps)
     return best * 1e3
 

@@ -92,3 +92,31 @@ def compact(buffer: KVBuffer, keep: Bool[Array, "l b k s"]) -> tuple[KVBuffer, I
         positions=positions,
         fill=kept[0, :, 0],
     ), order
+
+
+def insert_row(buffer: KVBuffer, slot: Int[Array, ""], prompt: KVBuffer, row: Int[Array, ""]) -> KVBuffer:
+    """`buffer` with row `slot` replaced by row `row` of a prefilled `prompt` buffer.
+
+    `prompt` holds t <= capacity slots (a prefill bucket). The row's positions become the
+    prompt's for slots [0, t) and empty beyond, so nothing the slot held before is visible
+    (stale keys and values past t stay, masked: attention never reads an empty slot, even a NaN
+    one). Its prompt length, fill and generated count are reset. No other row is touched.
+    """
+    t = prompt.capacity
+    if t > buffer.capacity:
+        raise ValueError(f"a prefill of {t} slots does not fit a buffer of {buffer.capacity}")
+    take = lambda x, axis=1: jax.lax.dynamic_slice_in_dim(x, row, 1, axis=axis)  # noqa: E731
+    put = lambda dest, x: jax.lax.dynamic_update_slice(dest, x.astype(dest.dtype), (0, slot) + (0,) * (dest.ndim - 2))  # noqa: E731
+    positions = jnp.full((*buffer.positions.shape[:1], 1, *buffer.positions.shape[2:]), -1, jnp.int32)
+    positions = jax.lax.dynamic_update_slice(positions, take(prompt.positions), (0, 0, 0, 0))
+    length = take(prompt.prompt_lens, 0)
+    per_row = lambda dest, x: jax.lax.dynamic_update_slice(dest, x.astype(dest.dtype), (slot,))  # noqa: E731
+    return dataclasses.replace(
+        buffer,
+        keys=put(buffer.keys, take(prompt.keys)),
+        values=put(buffer.values, take(prompt.values)),
+        positions=put(buffer.positions, positions),
+        prompt_lens=per_row(buffer.prompt_lens, length),
+        fill=per_row(buffer.fill, length),
+        generated=per_row(buffer.generated, jnp.zeros((1,), jnp.int32)),
+    )

@@ -82,36 +82,38 @@ def _policy(args: argparse.Namespace):
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from tqdm import tqdm
-
-    from randkv_jax.generate import generate
+    from randkv_jax.engine import Engine, encode_prompt
     from randkv_jax.models.loading import DEFAULT_MODEL, load_model
+    from randkv_jax.progress import ProgressBar
 
     policy = _policy(args)  # validate before the (slow) model load
     prompts = list(args.prompt) or list(DEMO_PROMPTS)
     print(f"model: {args.model or DEFAULT_MODEL}; policy: {policy}", flush=True)
     model = load_model(args.model, dtype=args.dtype)
     template_kwargs = {} if args.enable_thinking is None else {"enable_thinking": args.enable_thinking}
-    with tqdm(total=args.max_new_tokens, desc="decode steps (batch)", unit="step", leave=False) as bar:
-        def progress(done: int, total: int) -> None:
-            bar.update(done - bar.n)
-
-        result = generate(
-            model, prompts, policy=policy, max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-            chat=not args.no_chat, chunk=args.chunk, progress=progress, **template_kwargs,
-        )
-    for i, (prompt, stats) in enumerate(zip(prompts, result.stats)):
-        answer = result.texts[i] if result.texts is not None else str(result.tokens[i])
-        print(f"\n### [{i}] {prompt}\n{answer.strip()}")
-        after = f", {stats.held_after_round} entries per KV head after each" if stats.evictions else ""
-        print(f"    ({stats.new_tokens} new tokens, {stats.evictions} eviction rounds{after}, "
-              f"peak {stats.peak_slots} entries)")
-    held = sum(s.kv_bytes for s in result.stats)
-    full = sum(s.kv_bytes_full for s in result.stats)
-    print(f"\ndecode: {result.decode_tokens_per_second:.1f} tokens/s over {len(prompts)} rows; "
-          f"KV memory {held / 2**20:.2f} MiB vs {full / 2**20:.2f} MiB with a full cache "
-          f"({100 * (1 - held / full):.0f}% saved)")
+    ids = [encode_prompt(model, p, not args.no_chat, **template_kwargs) for p in prompts]
+    engine = Engine(model, policy=policy, slots=args.slots or len(ids), max_prompt_tokens=max(map(len, ids)),
+                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, chunk=args.chunk)
+    for i, p in enumerate(ids):
+        engine.submit(p, seed=args.seed + i, chat=False)
+    start = time.perf_counter()
+    held = full = tokens = 0
+    with ProgressBar(len(ids)) as bar:
+        for done in engine.run(progress=bar.update):
+            s = done.stats
+            answer = done.text if done.text is not None else str(done.tokens)
+            after = f", {s.held_after_round} entries per KV head after each" if s.evictions else ""
+            print(f"\n### [{done.request_id}] {prompts[done.request_id]}\n{answer.strip()}")
+            print(f"    ({s.new_tokens} new tokens, {s.finish_reason}, {s.evictions} eviction rounds{after}, "
+                  f"peak {s.peak_slots} entries; first token after {s.first_token_seconds:.2f} s)")
+            held, full, tokens = held + s.kv_bytes, full + s.kv_bytes_full, tokens + s.new_tokens
+    wall = time.perf_counter() - start
+    rate = (f"{engine.decode_tokens / engine.decode_seconds:.1f} tokens/s in {engine.steps} decode steps"
+            if engine.steps else "no decode step ran")
+    print(f"\ndecode: {rate} ({engine.slots} slots, {len(ids)} requests; {tokens / wall:.1f} tokens/s overall "
+          f"with prefill, {engine.compile_seconds:.1f} s compiling before); KV memory {held / 2**20:.2f} MiB vs "
+          f"{full / 2**20:.2f} MiB with a full cache ({100 * (1 - held / full):.0f}% saved)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,7 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     gen.add_argument("--enable-thinking", type=lambda v: v.lower() in ("1", "true", "yes"), default=None,
                      help="Qwen3 chat template switch (true/false)")
-    gen.add_argument("--chunk", type=int, default=64, help="decode steps per device call")
+    gen.add_argument("--slots", type=int, default=None,
+                     help="batch slots decoded together (default: one per prompt); more prompts than slots "
+                          "queue, and a finished request's slot takes the next one")
+    gen.add_argument("--chunk", type=int, default=64,
+                     help="decode steps per device call (rounded up to a multiple of the policy's interval)")
     gen.set_defaults(run=_generate)
 
     convert = sub.add_parser("convert", help="convert a HF/GGUF checkpoint to randkv's Orbax format")

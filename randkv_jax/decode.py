@@ -1,15 +1,20 @@
-"""Prefill, the jitted decode loop, and eviction inside it.
+"""The device side of generation: prefill, insert into a batch slot, the jitted decode loop.
 
-    state = prefill(...)              # prompt -> KVBuffer, first token sampled
-    while not all(state.done):        # host loop over chunks of `chunk` tokens (progress, early exit)
-        state = decode_chunk(...)     # lax.while_loop over tokens, state donated
+    prompt = prefill(params, ids, lens, spec=...)          # one request's prompt -> Prefilled
+    state = insert(state, prompt, 0, slot, seed, ...)      # into a free slot; first token sampled
+    state = decode_chunk(params, state, steps, spec=...)   # lax.while_loop over steps, state donated
 
-Each decode step feeds every row's last token at its true position (`prompt_lens + generated`),
-appends its key/value at slot `fill` of every layer, attends over the filled blocks of the
-buffer, then runs an eviction round (`lax.cond`, only when some row is due: its own generated
-count a multiple of the policy's interval and more than its budget held): the policy's
-keep-mask, then `buffer.compact`; and samples the next token. Nothing in the step depends on
-Python values that change per token, so a (batch, capacity, policy) shape compiles once.
+`randkv_jax.engine.Engine` drives these from the host (a request queue over fixed slots);
+`generate` is the engine with one slot per prompt.
+
+Each decode step feeds every active row's last token at its true position (`prompt_lens +
+generated`), appends its key/value at slot `fill` of every layer, attends over the filled blocks
+of the buffer, then runs an eviction round (`lax.cond`, only when some row is due: its own
+generated count a multiple of the policy's interval and more than its budget held): the policy's
+keep-mask, then `buffer.compact`; and samples the next token with the row's key folded with its
+own count. Rows that are not active (finished, cancelled, empty) are frozen: nothing they hold
+changes and nothing they compute is kept. Nothing in the step depends on Python values that
+change per token, so a (slots, capacity, policy) shape compiles once.
 
 The model-loop seam is typed: the decoder calls `Attend` functions with `PrefillInputs` or
 `DecodeInputs` (the same for every layer) and carries a `CacheState` (the buffer and what the
@@ -24,9 +29,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from randkv_jax.attention import buffer_attention
+from randkv_jax import buffer as kv_buffer
+from randkv_jax import observations as obs_lib
 from randkv_jax.buffer import KVBuffer, compact
 from randkv_jax.models.config import ModelConfig
 from randkv_jax.models.decoder import Decoder, dense_attention
@@ -35,6 +42,7 @@ from randkv_jax.policies.base import PLATFORMS, Policy
 from randkv_jax.sampling import SamplingParams, sample_tokens
 
 ATTENTION_BLOCK = 128  # slots per block of decode attention; capacities are rounded up to it
+MAX_STOP_IDS = 16  # stop tokens per request (the model's EOS ids included)
 
 
 @jax.tree_util.register_dataclass
@@ -68,31 +76,56 @@ class DecodeInputs:
     """True position of each row's new token: prompt_lens + generated."""
     n_filled: Int[Array, ""]
     """Slots attention reads: the largest fill after the append."""
+    active: Bool[Array, " b"]
+    """Rows generating this step; the others write nothing visible (their new slot stays empty)."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Prefilled:
+    """Prompts run through the model: what `insert` puts into a batch slot (t = the prompt bucket)."""
+
+    buffer: KVBuffer
+    """The prompts' keys and values, t slots per row (prompt_lens and fill set, generated 0)."""
+    observations: Observations | None
+    """What the policy records during the prompt (accumulated attention), t slots per row."""
+    logits: Float[Array, "p v"]
+    """float32 logits at each prompt's last token: the first token is sampled from them."""
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LoopState:
-    """Everything the decode loop carries (donated between chunks)."""
+    """Everything the decode loop carries for its fixed batch of slots (donated between calls).
+
+    A slot is either active (a request generating) or not (empty, finished or cancelled).
+    """
 
     buffer: KVBuffer
     """The KV cache; its `generated` [b] counts the tokens each row has written."""
-    tokens: Int[Array, "b n"]
-    """Generated ids, n = max_new_tokens; `pad_id` after a row has stopped."""
     last: Int[Array, " b"]
     """The newest token of each row: the next step's input."""
+    active: Bool[Array, " b"]
+    """Row is generating: inserted, no stop token yet, fewer than its max_new tokens."""
     n_new: Int[Array, " b"]
-    """Tokens generated per row, its stop token included."""
-    done: Bool[Array, " b"]
-    """Row has produced a stop token or max_new_tokens."""
+    """Tokens generated per row, the prefill's first token and the stop token included."""
+    max_new: Int[Array, " b"]
+    """Each request's max_new_tokens."""
+    stop_ids: Int[Array, "b m"]
+    """Each request's stop tokens, -1 padded (m = MAX_STOP_IDS)."""
+    emitted: Int[Array, "b c"]
+    """Tokens produced by the steps of the current `decode_chunk` call, -1 where a row was inactive
+    (c = the spec's chunk)."""
     evictions: Int[Array, " b"]
-    """Eviction rounds run on the row while it was generating."""
+    """Eviction rounds run on the row."""
     peak_slots: Int[Array, " b"]
-    """Most entries any layer and head of the row held while it was generating."""
+    """Most entries any layer and head of the row held."""
     held_after_round: Int[Array, " b"]
     """Entries each layer and head of the row held right after its last round (0: no round yet)."""
     row_seeds: Int[Array, " b"]
     """Per-request seeds (sampling keys and eviction draws derive from these)."""
+    rounds_run: Int[Array, ""]
+    """Decode steps that ran an eviction round (for any row): the batched cost of eviction."""
     observations: Observations | None
     """What a scoring policy records (recent queries, accumulated attention); None otherwise."""
 
@@ -105,9 +138,8 @@ class DecodeSpec:
     dtype: Any
     policy: Policy
     sampling: SamplingParams
-    max_new_tokens: int
-    stop_ids: tuple[int, ...]
-    pad_id: int
+    chunk: int
+    """Most decode steps per `decode_chunk` call (the width of `LoopState.emitted`)."""
     platform: str
     """JAX platform the program is built for ("cpu", "gpu", "tpu"): picks the eviction kernel
     (Pallas or XLA) and the CPU slicing workaround of `buffer_attention`, once, before tracing."""
@@ -115,6 +147,8 @@ class DecodeSpec:
     def __post_init__(self):
         if self.platform not in PLATFORMS:
             raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}")
+        if not isinstance(self.chunk, int) or self.chunk < 1:
+            raise ValueError(f"chunk must be a positive integer, got {self.chunk!r}")
 
     def observations(self, batch: int, capacity: int) -> Observations | None:
         return Observations.create(self.policy.needs, self.config, batch, capacity, self.dtype)
@@ -150,22 +184,25 @@ def _prefill_attend(q, k, v, inputs: PrefillInputs, cache: CacheState, layer):
 
 
 def _decode_attend(q, k, v, inputs: DecodeInputs, cache: CacheState, layer, *, slice_as_bits: bool):
-    """Append this step's key/value at each row's slot `fill`, then attend over the filled blocks."""
+    """Append this step's key/value at each row's slot `fill`, then attend over the filled blocks.
+
+    An inactive row's new slot stays empty (position -1): it holds exactly what it held before."""
     buf = cache.buffer
     rows, slot = jnp.arange(k.shape[0]), buf.fill
+    new_positions = jnp.where(inputs.active, inputs.query_positions, -1)
     buf = dataclasses.replace(
         buf,
-        keys=buf.keys.at[layer, rows, :, slot].set(k[:, 0].astype(buf.keys.dtype)),
-        values=buf.values.at[layer, rows, :, slot].set(v[:, 0].astype(buf.values.dtype)),
-        positions=buf.positions.at[layer, rows, :, slot].set(inputs.query_positions[:, None]),
+        keys=buf.keys.at[layer, rows, :, slot].set(k[:, 0].astype(buf.keys.dtype), mode="drop"),
+        values=buf.values.at[layer, rows, :, slot].set(v[:, 0].astype(buf.values.dtype), mode="drop"),
+        positions=buf.positions.at[layer, rows, :, slot].set(new_positions[:, None], mode="drop"),
     )
     query_positions = inputs.query_positions[:, None]
     ctx = buffer_attention(
         q, buf.keys, buf.values, buf.positions, query_positions, inputs.n_filled,
         block_size=ATTENTION_BLOCK, layer=layer, slice_as_bits=slice_as_bits,
     )
-    observations = record_decode(cache.observations, layer, buf.generated, q, buf.keys, buf.positions,
-                                 query_positions)
+    observations = record_decode(cache.observations, layer, buf.generated, inputs.active, q, buf.keys,
+                                 buf.positions, query_positions)
     return ctx, CacheState(buf, observations)
 
 
@@ -173,66 +210,98 @@ def _row_keys(row_seeds):
     return jax.vmap(jax.random.key)(row_seeds)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "capacity"))
-def prefill(params, prompts, prompt_lens, row_seeds, *, spec: DecodeSpec, capacity: int) -> LoopState:
-    """Run the prompt, fill the buffer, sample the first token.
-
-    prompts [b, p] right-padded token ids; prompt_lens [b]; row_seeds [b].
-    """
-    b, p = prompts.shape
-    valid = jnp.arange(p)[None, :] < prompt_lens[:, None]
-    token_positions = jnp.where(valid, jnp.arange(p)[None, :], -1).astype(jnp.int32)
-    inputs = PrefillInputs(mask=jnp.tril(jnp.ones((p, p), bool))[None] & valid[:, None, :],
+@functools.partial(jax.jit, static_argnames=("spec",))
+def prefill(params, prompts: Int[Array, "p t"], prompt_lens: Int[Array, " p"], *, spec: DecodeSpec) -> Prefilled:
+    """Run right-padded prompts [p, t] (t: the bucket) through the model: their KV entries at
+    slots [0, t) of a t-slot buffer, what the policy observes, and the last token's logits."""
+    p, t = prompts.shape
+    valid = jnp.arange(t)[None, :] < prompt_lens[:, None]
+    token_positions = jnp.where(valid, jnp.arange(t)[None, :], -1).astype(jnp.int32)
+    inputs = PrefillInputs(mask=jnp.tril(jnp.ones((t, t), bool))[None] & valid[:, None, :],
                            token_positions=token_positions)
-    cache = CacheState(KVBuffer.empty(spec.config, b, capacity, spec.dtype), spec.observations(b, capacity))
+    cache = CacheState(KVBuffer.empty(spec.config, p, t, spec.dtype), spec.observations(p, t))
     decoder = Decoder(spec.config, spec.dtype, spec.dtype, attend=_prefill_attend)
     logits, cache = decoder.apply(
         {"params": params}, prompts, jnp.maximum(token_positions, 0), inputs, cache, logit_index=prompt_lens - 1,
     )
-    buffer = dataclasses.replace(cache.buffer, prompt_lens=prompt_lens, fill=prompt_lens)
-    zeros = jnp.zeros((b,), jnp.int32)
-    first = sample_tokens(logits, _row_keys(row_seeds), zeros, spec.sampling)
-    done = _is_stop(first, spec) | (spec.max_new_tokens <= 1)
-    tokens = jnp.full((b, spec.max_new_tokens), spec.pad_id, jnp.int32).at[:, 0].set(first)
+    return Prefilled(dataclasses.replace(cache.buffer, prompt_lens=prompt_lens, fill=prompt_lens),
+                     cache.observations, logits)
+
+
+def empty_state(spec: DecodeSpec, slots: int, capacity: int) -> LoopState:
+    """A loop state of `slots` empty (inactive) rows of `capacity` slots each."""
+    zeros = lambda: jnp.zeros((slots,), jnp.int32)  # noqa: E731  (distinct buffers: the state is donated)
     return LoopState(
-        buffer=buffer, tokens=tokens, last=first, n_new=zeros + 1, done=done, evictions=zeros,
-        peak_slots=prompt_lens, held_after_round=zeros, row_seeds=row_seeds, observations=cache.observations,
+        buffer=KVBuffer.empty(spec.config, slots, capacity, spec.dtype), last=zeros(),
+        active=jnp.zeros((slots,), bool), n_new=zeros(), max_new=zeros(),
+        stop_ids=jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32), emitted=jnp.full((slots, spec.chunk), -1, jnp.int32),
+        evictions=zeros(), peak_slots=zeros(), held_after_round=zeros(), row_seeds=zeros(), rounds_run=jnp.int32(0),
+        observations=spec.observations(slots, capacity),
     )
 
 
-def _is_stop(tokens, spec: DecodeSpec):
-    return jnp.isin(tokens, jnp.asarray(spec.stop_ids, jnp.int32)) if spec.stop_ids else jnp.zeros(tokens.shape, bool)
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+def insert(
+    state: LoopState,
+    prompt: Prefilled,
+    row: Int[Array, ""],
+    slot: Int[Array, ""],
+    seed: Int[Array, ""],
+    max_new: Int[Array, ""],
+    stop_ids: Int[Array, " m"],
+    *,
+    spec: DecodeSpec,
+) -> tuple[LoopState, Int[Array, ""]]:
+    """Start a request in `slot` from row `row` of `prompt`: that row of the buffer and of the
+    observations replaced, its counters reset, its first token sampled (key(seed), count 0).
+    Returns the state (no other row touched) and the first token."""
+    first = sample_tokens(prompt.logits[row][None], _row_keys(seed[None]), jnp.zeros((1,), jnp.int32),
+                          spec.sampling)[0]
+    active = ~jnp.any(first == stop_ids) & (max_new > 1)
+    put = lambda x, value: x.at[slot].set(value)  # noqa: E731
+    buffer = kv_buffer.insert_row(state.buffer, slot, prompt.buffer, row)
+    length = prompt.buffer.prompt_lens[row]
+    state = dataclasses.replace(
+        state, buffer=buffer, last=put(state.last, first), active=put(state.active, active),
+        n_new=put(state.n_new, 1), max_new=put(state.max_new, max_new), stop_ids=put(state.stop_ids, stop_ids),
+        emitted=put(state.emitted, -1), evictions=put(state.evictions, 0), peak_slots=put(state.peak_slots, length),
+        held_after_round=put(state.held_after_round, 0), row_seeds=put(state.row_seeds, seed),
+        observations=obs_lib.insert_row(state.observations, slot, prompt.observations, row),
+    )
+    return state, first
 
 
-def _step(params, state: LoopState, spec: DecodeSpec) -> LoopState:
-    buffer = state.buffer
-    inputs = DecodeInputs(query_positions=buffer.prompt_lens + buffer.generated, n_filled=jnp.max(buffer.fill) + 1)
+def _step(params, state: LoopState, index: Int[Array, ""], spec: DecodeSpec) -> LoopState:
+    """Decode step number `index` of the chunk, for every active row."""
+    buffer, active = state.buffer, state.active
+    inputs = DecodeInputs(query_positions=buffer.prompt_lens + buffer.generated, n_filled=jnp.max(buffer.fill) + 1,
+                          active=active)
     attend = functools.partial(_decode_attend, slice_as_bits=spec.platform == "cpu")
     decoder = Decoder(spec.config, spec.dtype, spec.dtype, attend=attend)
     logits, cache = decoder.apply(
         {"params": params}, state.last[:, None], inputs.query_positions[:, None], inputs,
         CacheState(buffer, state.observations),
     )
-    buffer = dataclasses.replace(cache.buffer, fill=buffer.fill + 1, generated=buffer.generated + 1)
-    peak_slots = jnp.where(state.done, state.peak_slots, jnp.maximum(state.peak_slots, buffer.fill))
+    step = active.astype(jnp.int32)
+    buffer = dataclasses.replace(cache.buffer, fill=buffer.fill + step, generated=buffer.generated + step)
+    peak_slots = jnp.where(active, jnp.maximum(state.peak_slots, buffer.fill), state.peak_slots)
     with jax.named_scope("eviction"):
-        due = spec.policy.due(buffer)
+        due = spec.policy.due(buffer)  # inactive rows are frozen between rounds: never due
         buffer, observations = jax.lax.cond(
             jnp.any(due),
             functools.partial(_evict, spec),
             lambda buf, obs, seeds: (buf, obs),
             buffer, cache.observations, state.row_seeds,
         )
-    counted = due & ~state.done
     token = sample_tokens(logits[:, 0], _row_keys(state.row_seeds), buffer.generated, spec.sampling)
-    token = jnp.where(state.done, spec.pad_id, token)
-    n_new = state.n_new + ~state.done
-    rows = jnp.arange(token.shape[0])
+    n_new = state.n_new + step
+    stopped = jnp.any(token[:, None] == state.stop_ids, axis=-1) | (n_new >= state.max_new)
     return dataclasses.replace(
-        state, buffer=buffer, tokens=state.tokens.at[rows, buffer.generated].set(token, mode="drop"), last=token,
-        n_new=n_new, done=state.done | _is_stop(token, spec) | (n_new >= spec.max_new_tokens),
-        evictions=state.evictions + counted, peak_slots=peak_slots,
-        held_after_round=jnp.where(counted, buffer.fill, state.held_after_round), observations=observations,
+        state, buffer=buffer, last=jnp.where(active, token, state.last), active=active & ~stopped, n_new=n_new,
+        emitted=state.emitted.at[:, index].set(jnp.where(active, token, -1)),
+        evictions=state.evictions + due, peak_slots=peak_slots,
+        held_after_round=jnp.where(due, buffer.fill, state.held_after_round),
+        rounds_run=state.rounds_run + jnp.any(due), observations=observations,
     )
 
 
@@ -246,15 +315,18 @@ def _evict(spec: DecodeSpec, buffer: KVBuffer, observations, row_seeds):
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
 def decode_chunk(params, state: LoopState, max_steps: Int[Array, ""], *, spec: DecodeSpec) -> LoopState:
-    """Up to `max_steps` decode steps (fewer once every row is done)."""
+    """Up to min(max_steps, spec.chunk) decode steps, fewer once no row is active. The tokens
+    they produce are in `emitted` (reset at the start of the call)."""
+    stop_at = jnp.minimum(max_steps, spec.chunk)
 
     def cond(carry):
-        s, steps = carry
-        return ~jnp.all(s.done) & (steps < max_steps)
+        s, index = carry
+        return jnp.any(s.active) & (index < stop_at)
 
     def body(carry):
-        s, steps = carry
-        return _step(params, s, spec), steps + 1
+        s, index = carry
+        return _step(params, s, index, spec), index + 1
 
+    state = dataclasses.replace(state, emitted=jnp.full_like(state.emitted, -1))
     state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
     return state

@@ -71,10 +71,12 @@ def slot_attention(q, keys, positions, query_positions) -> Float[Array, "b k t s
     return probs.sum(axis=2)
 
 
-def record_decode(obs: Observations | None, layer, generated, q, keys, positions, query_positions):
+def record_decode(obs: Observations | None, layer, generated, active, q, keys, positions, query_positions):
     """Record one decode step's queries q [b, 1, h, d] (and attention) for `layer`.
 
-    generated [b]: each row's generated count before this step (its ring index, modulo w)."""
+    generated [b]: each row's generated count before this step (its ring index, modulo w);
+    active [b]: rows generating this step (the others' accumulated attention is left alone; their
+    ring may take garbage: a row's ring is reset when a request is inserted)."""
     if obs is None:
         return None
     queries, attention_sum = obs.queries, obs.attention_sum
@@ -84,7 +86,7 @@ def record_decode(obs: Observations | None, layer, generated, q, keys, positions
         queries = queries.at[layer, rows, :, ring].set(q[:, 0].astype(queries.dtype))
     if attention_sum is not None:
         probs = slot_attention(q, keys[layer], positions[layer], query_positions)[:, :, 0]
-        attention_sum = attention_sum.at[layer].add(probs)
+        attention_sum = attention_sum.at[layer].add(jnp.where(active[:, None, None], probs, 0.0))
     return dataclasses.replace(obs, queries=queries, attention_sum=attention_sum)
 
 
@@ -107,3 +109,20 @@ def reorder(obs: Observations | None, order: Int[Array, "l b k s"], valid: Bool[
         return obs
     moved = jnp.take_along_axis(obs.attention_sum, order, axis=-1)
     return dataclasses.replace(obs, attention_sum=jnp.where(valid, moved, 0.0))
+
+
+def insert_row(obs: Observations | None, slot: Int[Array, ""], prompt: Observations | None, row: Int[Array, ""]):
+    """`obs` with row `slot` reset for a new request: an empty query ring, and the accumulated
+    attention of row `row` of the prefill's observations `prompt` (zeros past its t slots)."""
+    if obs is None:
+        return None
+    at = lambda dest, x: jax.lax.dynamic_update_slice(dest, x, (0, slot) + (0,) * (dest.ndim - 2))  # noqa: E731
+    queries, attention_sum = obs.queries, obs.attention_sum
+    if queries is not None:
+        queries = at(queries, jnp.zeros((queries.shape[0], 1, *queries.shape[2:]), queries.dtype))
+    if attention_sum is not None:
+        fresh = jnp.zeros((attention_sum.shape[0], 1, *attention_sum.shape[2:]), jnp.float32)
+        fresh = jax.lax.dynamic_update_slice(
+            fresh, jax.lax.dynamic_slice_in_dim(prompt.attention_sum, row, 1, axis=1), (0, 0, 0, 0))
+        attention_sum = at(attention_sum, fresh)
+    return dataclasses.replace(obs, queries=queries, attention_sum=attention_sum)

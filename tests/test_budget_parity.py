@@ -23,8 +23,7 @@ import pytest
 import randkv_jax
 from randkv_jax import policies
 from randkv_jax.calibration import calibrate
-from randkv_jax.decode import DecodeSpec, decode_chunk, padded_capacity, prefill
-from randkv_jax.sampling import SamplingParams
+from randkv_jax.engine import Engine
 
 T, W, I = 32, 8, 4  # budget, window, interval: K_sel = 24
 PROMPT_LENS = (5, 19, 40)  # shorter than K_sel, just under it, longer (its tail competes)
@@ -54,18 +53,16 @@ def _expected_pins(protect, prompt_len):
 def test_every_round_leaves_exactly_the_budget(tiny_model, stats_dir, name, protect):
     policy = _policy(name, protect, stats_dir)
     rng = np.random.default_rng(1)
-    prompts = np.zeros((len(PROMPT_LENS), 64), np.int32)
+    engine = Engine(tiny_model, policy=policy, slots=len(PROMPT_LENS), max_prompt_tokens=max(PROMPT_LENS),
+                    max_new_tokens=NEW_TOKENS, chunk=I)
+    assert engine.spec.chunk == I
     for row, n in enumerate(PROMPT_LENS):
-        prompts[row, :n] = rng.integers(3, 256, size=n)
-    capacity = padded_capacity(policy, max(PROMPT_LENS), NEW_TOKENS)
-    spec = DecodeSpec(config=tiny_model.config, dtype=tiny_model.dtype, policy=policy, sampling=SamplingParams(),
-                      max_new_tokens=NEW_TOKENS, stop_ids=(), pad_id=0, platform="cpu")
-    state = prefill(tiny_model.params, jnp.asarray(prompts), jnp.asarray(PROMPT_LENS, jnp.int32),
-                    jnp.arange(3, dtype=jnp.int32), spec=spec, capacity=capacity)
+        engine.submit(rng.integers(3, 256, size=n).tolist(), max_new_tokens=NEW_TOKENS, seed=row, ignore_eos=True)
     held = list(PROMPT_LENS)  # the rule's count per row, tracked independently
     rounds = [0] * len(PROMPT_LENS)
-    while not bool(jnp.all(state.done)):
-        state = decode_chunk(tiny_model.params, state, jnp.int32(I), spec=spec)
+    while engine.running or engine.queued:
+        engine.step()
+        state = engine.state
         g = int(state.buffer.generated[0])
         positions = np.asarray(state.buffer.positions)
         assert g % I == 0 and (np.asarray(state.buffer.generated) == g).all()
@@ -88,7 +85,10 @@ def test_every_round_leaves_exactly_the_budget(tiny_model, stats_dir, name, prot
     peaks = np.asarray(state.peak_slots)
     for row, p in enumerate(PROMPT_LENS):
         assert peaks[row] == max(p, T) + I
-    assert capacity == 128 and capacity >= max(max(p, T) + I for p in PROMPT_LENS)
+    assert engine.capacity == 128 and engine.capacity >= max(max(p, T) + I for p in PROMPT_LENS)
+    # one round per interval for the whole batch: the long prompt is due at every boundary, the
+    # others join it on the same steps
+    assert int(state.rounds_run) == (NEW_TOKENS - 1) // I
 
 
 def test_policies_hold_the_same_number_of_entries_at_one_budget(tiny_model, stats_dir):

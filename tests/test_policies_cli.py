@@ -30,6 +30,7 @@ def test_generate_cli_runs_every_policy(tiny_dir, name, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "tokens/s" in out and "KV memory" in out
+    assert "decode: 0.0 tokens/s" not in out  # 40 tokens end inside the first 64-step chunk: still a real rate
     if name != "full":  # prompts of 4 and 8 tokens, 40 new: rounds from 16 generated on
         assert "eviction rounds, 16 entries per KV head after each" in out
 
@@ -51,6 +52,14 @@ def test_generate_cli_selected_window_and_interval(tiny_dir, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "budget=20, window=8, interval=4" in out and "20 entries per KV head after each" in out
+
+
+def test_generate_cli_queues_more_prompts_than_slots(tiny_dir, capsys):
+    argv = ["generate", "--model", str(tiny_dir), "--slots", "1", "--max-new-tokens", "12", "--dtype", "float32",
+            "--no-chat", "--budget", "16", "--buffer", "8"] + [x for p in ("one", "two two", "three") for x in ("--prompt", p)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert all(f"### [{i}]" in out for i in range(3)) and "1 slots, 3 requests" in out
 
 
 def test_unknown_policy_lists_the_available_ones(tiny_dir, capsys):

@@ -20,7 +20,7 @@ import pytest
 
 import randkv_jax
 from randkv_jax.buffer import KVBuffer, compact
-from randkv_jax.decode import DecodeSpec, decode_chunk, prefill
+from randkv_jax.decode import DecodeSpec, decode_chunk, empty_state
 from randkv_jax.models.decoder import Decoder, DenseInputs, causal_attend
 from randkv_jax.observations import Observations, ScoringNeeds, reorder, slot_attention
 from randkv_jax.policies.h2o import H2O
@@ -327,14 +327,12 @@ def test_recency_and_streaming_keep_the_newest(runs, name):
 
 
 def test_random_attention_loop_state_and_program_have_no_observations(tiny_model):
-    """Shapes only (traced, not compiled): the state `prefill` builds and `decode_chunk`'s inputs."""
-    prompts, lens, seeds = jnp.zeros((3, 64), jnp.int32), jnp.asarray([5, 17, 11]), jnp.arange(3)
+    """Shapes only (traced, not compiled): the loop state of 3 empty slots and `decode_chunk`'s inputs."""
 
     def state_and_signature(name):
         spec = DecodeSpec(config=tiny_model.config, dtype=tiny_model.dtype, policy=POLICIES[name],
-                          sampling=SamplingParams(0.0, 1.0, 0), max_new_tokens=80, stop_ids=(), pad_id=0,
-                          platform="cpu")
-        state = jax.eval_shape(functools.partial(prefill, spec=spec, capacity=128), tiny_model.params, prompts, lens, seeds)
+                          sampling=SamplingParams(0.0, 1.0, 0), chunk=8, platform="cpu")
+        state = jax.eval_shape(functools.partial(empty_state, spec, 3, 128))
         text = decode_chunk.lower(tiny_model.params, state, jnp.int32(1), spec=spec).as_text()
         return state, re.search(r"func\.func public @main\((.*)", text).group(1)
 
@@ -343,13 +341,15 @@ def test_random_attention_loop_state_and_program_have_no_observations(tiny_model
     assert random_state.observations is None
     assert h2o_state.observations.queries is None and tova_state.observations.attention_sum is None
     leaves = len(jax.tree.leaves(random_state))
-    assert leaves == len(jax.tree.leaves(random_state.buffer)) + 8 == 6 + 8  # the buffer (generated included) + 8 [b]
+    # the buffer (generated included), 10 per-row arrays [b] or [b, .], the rounds counter
+    assert leaves == len(jax.tree.leaves(random_state.buffer)) + 11 == 6 + 11
     assert len(jax.tree.leaves(h2o_state)) == leaves + 1 and len(jax.tree.leaves(tova_state)) == leaves + 1
     l, b, k, s = random_state.buffer.positions.shape
     attention_sum = f"tensor<{l}x{b}x{k}x{s}xf32>"
     assert attention_sum not in random_main and attention_sum in h2o_main
-    assert random_main.count("%arg") == len(jax.tree.leaves(tiny_model.params)) + leaves + 1
-    assert h2o_main.count("%arg") == len(jax.tree.leaves(tiny_model.params)) + leaves + 2
+    # inputs: params, the state but `emitted` (reset by each call, never read), max_steps
+    assert random_main.count("%arg") == len(jax.tree.leaves(tiny_model.params)) + leaves - 1 + 1
+    assert h2o_main.count("%arg") == len(jax.tree.leaves(tiny_model.params)) + leaves + 1 - 1 + 1
 
 
 def _queries_and_keys(tiny_model, sequences):

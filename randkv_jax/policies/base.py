@@ -40,6 +40,9 @@ class Policy(Protocol):
     """What the decode loop needs of a policy (all methods pure; the policy is a static jit argument)."""
 
     name: ClassVar[str]
+    interval: int
+    """Generated tokens between a row's rounds; requests start only at multiples of it, so the
+    rows of a batch share their rounds (1 for a policy that never evicts)."""
 
     @property
     def needs(self) -> ScoringNeeds:

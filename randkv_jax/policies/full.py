@@ -17,6 +17,8 @@ class FullAttention:
     """The `Policy` that is never due: every row keeps everything."""
 
     name: ClassVar[str] = "full"
+    interval: ClassVar[int] = 1
+    """No rounds to keep in step: a request may start at any decode step."""
 
     @property
     def needs(self) -> ScoringNeeds:
