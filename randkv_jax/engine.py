@@ -34,9 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from randkv_jax import decode
-from randkv_jax.decode import MAX_STOP_IDS, DecodeSpec, LoopState, Prefilled, padded_capacity, platform_of
+from randkv_jax.decode import MAX_STOP_IDS, DecodeSpec, Prefilled, padded_capacity, platform_of
 from randkv_jax.models.model import Model
-from randkv_jax.policies.base import Policy
 from randkv_jax.sampling import SamplingParams
 
 PROMPT_BUCKET = 64  # prompts are right-padded to a multiple of this, so lengths share compilations
@@ -263,7 +262,7 @@ class Engine:
         for request in self._queue:
             if request.id == request_id:
                 self._queue.remove(request)
-                request.prompt.pending -= 1
+                self._inserted(request.prompt)
                 self._finished.append(self._completion(request, None, "cancelled"))
                 return True
         for slot, request in self._running.items():
@@ -314,7 +313,7 @@ class Engine:
         self.steps += steps
         self._steps_since_idle += steps
         for slot, request in list(self._running.items()):
-            if request.first is not None:  # read once the chunk has run: no sync per insert
+            if request.first is not None:
                 request.tokens.append(int(request.first))
                 request.first = None
             new = emitted[slot][emitted[slot] >= 0].tolist()
@@ -343,11 +342,17 @@ class Engine:
                 self.state, shared.prefilled, jnp.int32(0), jnp.int32(slot), jnp.int32(request.seed),
                 jnp.int32(request.max_new), jnp.asarray(request.stop_ids), spec=self.spec,
             )
+            request.first = request.first.block_until_ready()
             request.first_token_at = time.perf_counter()
-            shared.pending -= 1
-            if not shared.pending:
-                shared.prefilled = None  # the last sample is in: free the prompt's cache
+            self._inserted(shared)
             self._running[slot] = request
+
+    @staticmethod
+    def _inserted(prompt: _Prompt) -> None:
+        """One sample of `prompt` is in a slot (or cancelled): free its prefill after the last."""
+        prompt.pending -= 1
+        if not prompt.pending:
+            prompt.prefilled = None
 
     def _release(self, slot: int) -> Completion:
         """The completion of the request in `slot`, which becomes free."""
