@@ -1,8 +1,9 @@
-"""The `randkv` command line: `generate`, `convert`, `info`, `calibrate`."""
+"""The `randkv` command line: `generate`, `convert`, `info`, `calibrate`, `eval`, `report`, `sweep`."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -52,8 +53,9 @@ DEMO_PROMPTS = (
 )
 
 
-def _policy(args: argparse.Namespace):
-    """The policy named by --policy, given the options its dataclass has (others keep defaults)."""
+def _policy(args: argparse.Namespace, default_budget: int | None = None):
+    """The policy named by --policy, given the options its dataclass has (others keep defaults);
+    `default_budget` when neither --budget nor --selected is given (an eval preset)."""
     from randkv_jax import policies
 
     if args.convention is not None:
@@ -69,6 +71,7 @@ def _policy(args: argparse.Namespace):
     window = next((v for v in (args.buffer, args.window) if v is not None), policies.EvictionPolicy.window)
     interval = next((v for v in (args.buffer, args.interval) if v is not None), window)
     budget = args.budget if args.selected is None else args.selected + window
+    budget = default_budget if budget is None else budget
     fields = policies.fields_of(args.policy)
     options = {"budget": budget, "window": window, "interval": interval, "protect": args.protect,
                "seed": args.seed, "preset": args.preset}
@@ -116,6 +119,101 @@ def _generate(args: argparse.Namespace) -> None:
           f"{full / 2**20:.2f} MiB with a full cache ({100 * (1 - held / full):.0f}% saved)")
 
 
+def _dataset(spec: str, limit: int | None):
+    """--dataset NAME | FILE | NAME=FILE."""
+    from randkv_jax.eval.datasets import DATASETS, load_dataset
+
+    name, sep, path = spec.partition("=")
+    if sep and name in DATASETS:
+        return dataclasses.replace(load_dataset(path, limit=limit), name=name)
+    return load_dataset(spec, limit=limit)
+
+
+def _evaluate(model, model_path, dataset, policy_args, *, samples, max_new_tokens, seed, slots, chunk, sampling,
+              template_kwargs, unsafe, out, progress=True):
+    """One run of `randkv eval` (also a sweep's cell)."""
+    from randkv_jax.eval import harness, tasks
+
+    preset = tasks.preset_for(dataset.name, dataset.problems[0].task)
+    policy = _policy(policy_args, default_budget=preset.budget)
+    base = tasks.sampling_for(model.config.architecture)
+    sampling = tasks.Sampling(*(base_v if v is None else v for v, base_v in zip(sampling, dataclasses.astuple(base))))
+    settings = harness.EvalSettings(
+        policy=policy, samples=samples or preset.samples, max_new_tokens=max_new_tokens or preset.max_new_tokens,
+        sampling=sampling, seed=seed, slots=slots, chunk=chunk, template_kwargs=template_kwargs, unsafe_code=unsafe,
+    )
+    print(f"eval: {dataset.name} ({len(dataset.problems)} problems x {settings.samples} samples), {policy}, "
+          f"{sampling}, max {settings.max_new_tokens} new tokens -> {out}", flush=True)
+    summary = harness.run_eval(model, harness.model_info(model, model_path), dataset, settings, out, progress=progress)
+    print(f"{summary.path}: {summary.skipped} samples were already done, {summary.completed} finished now "
+          f"({summary.correct} strict-correct) in {summary.seconds:.0f} s; {summary.total} in the run")
+    return summary
+
+
+def _eval(args: argparse.Namespace) -> None:
+    from randkv_jax.models.loading import load_model
+
+    dataset = _dataset(args.dataset, args.limit)  # validate before the (slow) model load
+    model = load_model(args.model, dtype=args.dtype)
+    template_kwargs = {} if args.enable_thinking is None else {"enable_thinking": args.enable_thinking}
+    _evaluate(model, args.model, dataset, args, samples=args.samples, max_new_tokens=args.max_new_tokens,
+              seed=args.seed, slots=args.slots, chunk=args.chunk, sampling=(args.temperature, args.top_p, args.top_k),
+              template_kwargs=template_kwargs, unsafe=args.unsafe_code_execution, out=args.out,
+              progress=not args.no_progress)
+
+
+def _report(args: argparse.Namespace) -> None:
+    from randkv_jax.eval.report import report
+
+    print(report(args.runs, out_dir=args.out_dir))
+
+
+def _sweep(args: argparse.Namespace) -> None:
+    from randkv_jax.eval.sweep import run_sweep
+    from randkv_jax.models.loading import load_model
+
+    models = {}
+
+    def run_cell(cell, shared):
+        key = (cell.model, shared.get("dtype", "bfloat16"))
+        if key not in models:
+            models.clear()  # one model in memory at a time
+            models[key] = load_model(None if cell.model == "default" else cell.model, dtype=key[1])
+        policy_args = build_parser().parse_args(
+            ["eval", "--dataset", cell.dataset, "--out", str(cell.out), "--policy", cell.policy]
+            + ([] if cell.budget is None else ["--budget", str(cell.budget)])
+            + [x for k, v in cell.options.items() for x in (f"--{k.replace('_', '-')}", str(v))])
+        _evaluate(models[key], None if cell.model == "default" else cell.model,
+                  _dataset(cell.dataset, shared.get("limit")), policy_args, samples=shared.get("samples"),
+                  max_new_tokens=shared.get("max_new_tokens"), seed=shared.get("seed", 0),
+                  slots=shared.get("slots", 8), chunk=64, sampling=(None, None, None), template_kwargs={},
+                  unsafe=args.unsafe_code_execution, out=cell.out)
+
+    for cell, outcome in run_sweep(args.config, run_cell, dry_run=args.dry_run):
+        budget = "" if cell.budget is None else f" budget {cell.budget}"
+        print(f"{outcome:8s} {cell.model} / {cell.dataset} / {cell.policy}{budget} -> {cell.out}")
+
+
+def _add_policy_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policy", default="random", help="eviction policy name (see randkv_jax.policies)")
+    parser.add_argument("--budget", type=int, default=None,
+                        help="T: entries each KV head holds right after a round, prompt and window included "
+                             "(the paper's K, its engine's token_budget; default 1024, or the eval task's preset)")
+    parser.add_argument("--selected", type=int, default=None,
+                        help="the budget stated as its selected part: T = SELECTED + window "
+                             "(the probes' 'K=1024 + W=64')")
+    parser.add_argument("--buffer", type=int, default=None, help="sets --window and --interval both (default 64)")
+    parser.add_argument("--window", type=int, default=None, help="w: newest entries never evicted")
+    parser.add_argument("--interval", type=int, default=None,
+                        help="i: generated tokens between rounds (default: window)")
+    parser.add_argument("--protect", default=None,
+                        help="prompt | sinks:N | none (default: the policy's published regime)")
+    parser.add_argument("--preset", default=None, help="a policy's named preset (snapkv, rkv: paper | ...)")
+    parser.add_argument("--stats", default=None,
+                        help="TriAttention statistics (default: <model>/triattention_stats from `randkv calibrate`)")
+    parser.add_argument("--convention", default=None, help=argparse.SUPPRESS)  # refused with the new equivalent
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="randkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,21 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate with a bounded KV cache (default: Random Attention)")
     gen.add_argument("--model", default=None, help="checkpoint (default: the embedded SmolLM2-135M-Instruct)")
     gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
-    gen.add_argument("--policy", default="random", help="eviction policy name (see randkv_jax.policies)")
-    gen.add_argument("--budget", type=int, default=None,
-                     help="T: entries each KV head holds right after a round, prompt and window included "
-                          "(the paper's K, its engine's token_budget; default 1024)")
-    gen.add_argument("--selected", type=int, default=None,
-                     help="the budget stated as its selected part: T = SELECTED + window (the probes' 'K=1024 + W=64')")
-    gen.add_argument("--buffer", type=int, default=None, help="sets --window and --interval both (default 64)")
-    gen.add_argument("--window", type=int, default=None, help="w: newest entries never evicted")
-    gen.add_argument("--interval", type=int, default=None, help="i: generated tokens between rounds (default: window)")
-    gen.add_argument("--protect", default=None,
-                     help="prompt | sinks:N | none (default: the policy's published regime)")
-    gen.add_argument("--preset", default=None, help="a policy's named preset (snapkv, rkv, vase: paper | ...)")
-    gen.add_argument("--stats", default=None,
-                     help="TriAttention statistics (default: <model>/triattention_stats from `randkv calibrate`)")
-    gen.add_argument("--convention", default=None, help=argparse.SUPPRESS)  # refused with the new equivalent
+    _add_policy_arguments(gen)
     gen.add_argument("--max-new-tokens", type=int, default=512)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -173,6 +257,41 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tokens per forward sequence (default: all in one sequence)")
     calib.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     calib.set_defaults(run=_calibrate)
+
+    ev = sub.add_parser("eval", help="evaluate on a benchmark: graded samples appended to a resumable JSONL run")
+    ev.add_argument("--model", default=None, help="checkpoint (default: the embedded SmolLM2-135M-Instruct)")
+    ev.add_argument("--dataset", required=True,
+                    help="a registered name (math500, aime2025, aime2026, hmmt-feb-2025, gpqa-diamond, "
+                         "livecodebench), a JSONL/CSV file, or NAME=FILE (a file under a name's presets)")
+    _add_policy_arguments(ev)
+    ev.add_argument("--samples", type=int, default=None, help="samples per problem (default: the task's preset)")
+    ev.add_argument("--limit", type=int, default=None, help="the first N problems")
+    ev.add_argument("--max-new-tokens", type=int, default=None, help="default: the preset's 32768")
+    ev.add_argument("--out", required=True, help="the run file (JSONL); re-running the command resumes it")
+    ev.add_argument("--seed", type=int, default=0, help="the run's seed (each sample's seed derives from it)")
+    ev.add_argument("--temperature", type=float, default=None, help="default: the model's entry in the table")
+    ev.add_argument("--top-p", type=float, default=None)
+    ev.add_argument("--top-k", type=int, default=None)
+    ev.add_argument("--slots", type=int, default=8, help="batch slots of the engine")
+    ev.add_argument("--chunk", type=int, default=64, help="decode steps per device call")
+    ev.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ev.add_argument("--enable-thinking", type=lambda v: v.lower() in ("1", "true", "yes"), default=None,
+                    help="Qwen3 chat template switch (true/false)")
+    ev.add_argument("--unsafe-code-execution", action="store_true",
+                    help="run LiveCodeBench programs with resource limits only where namespaces are unavailable")
+    ev.add_argument("--no-progress", action="store_true")
+    ev.set_defaults(run=_eval)
+
+    rep = sub.add_parser("report", help="accuracy with intervals, pass@k, paired tests and plots of eval runs")
+    rep.add_argument("runs", nargs="+", help="run files written by `randkv eval`")
+    rep.add_argument("--out-dir", default=None, help="write report.md and PNG plots here")
+    rep.set_defaults(run=_report)
+
+    sw = sub.add_parser("sweep", help="run a grid of evals from a TOML file, skipping finished runs")
+    sw.add_argument("config", help="the sweep file (see randkv_jax.eval.sweep)")
+    sw.add_argument("--dry-run", action="store_true", help="list the cells and what would run")
+    sw.add_argument("--unsafe-code-execution", action="store_true")
+    sw.set_defaults(run=_sweep)
     return parser
 
 

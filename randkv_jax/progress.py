@@ -16,15 +16,21 @@ class ProgressBar:
 
     def __init__(self, total: int, desc: str = "requests"):
         self._bar = tqdm(total=total, desc=desc, unit="req", leave=False, dynamic_ncols=True)
+        self.note = ""
+        """Shown after the counts (e.g. a running accuracy)."""
 
     def update(self, progress: Progress) -> None:
         self._bar.update(progress.completed - self._bar.n)
+        note = f", {self.note}" if self.note else ""
         self._bar.set_postfix_str(
-            f"running {progress.running}, queued {progress.queued}, {progress.tokens_per_second:.1f} tok/s"
+            f"running {progress.running}, queued {progress.queued}, {progress.tokens_per_second:.1f} tok/s{note}"
         )
+
+    def close(self) -> None:
+        self._bar.close()
 
     def __enter__(self) -> ProgressBar:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._bar.close()
+        self.close()
