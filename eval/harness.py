@@ -52,6 +52,9 @@ class EvalSettings:
     chunk: int = 64
     template_kwargs: dict = dataclasses.field(default_factory=dict)
     unsafe_code: bool = False
+    mesh: Any = None
+    """A `jax.sharding.Mesh` of this process's devices (`randkv_jax.sharding.parse_mesh`): slots
+    split over `data`, KV heads over `model`. None: one device."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +130,8 @@ def build_config(model_dict: dict, dataset: Dataset, settings: EvalSettings, cap
         "samples": settings.samples, "max_new_tokens": settings.max_new_tokens,
         "sampling": dataclasses.asdict(settings.sampling), "seed": settings.seed,
         "engine": {"slots": settings.slots, "capacity": capacity, "chunk": settings.chunk,
-                   "platform": jax.default_backend()},
+                   "platform": jax.default_backend(),
+                   "mesh": None if settings.mesh is None else dict(settings.mesh.shape)},
         "prompt": {"math": tasks.MATH_INSTRUCTION, "gpqa": tasks.GPQA_INSTRUCTION,
                    "template_kwargs": settings.template_kwargs},
         "grader": grading.GRADER, "versions": versions(),
@@ -151,8 +155,13 @@ def run_eval(
     out: str | Path,
     *,
     progress: bool = True,
+    shard: tuple[int, int] | None = None,
 ) -> RunSummary:
-    """Generate `settings.samples` per problem of `dataset`, grade them, append them to `out`."""
+    """Generate `settings.samples` per problem of `dataset`, grade them, append them to `out`.
+
+    shard (index, count): this process's share of a run split over `count` processes: problems
+    index, index + count, ... (all samples of a problem in one shard), recorded in the
+    configuration as "shard"; `records.merge_shards` (`randkv report`) joins the shard files."""
     problems = dataset.problems
     if not problems:
         raise ValueError(f"{dataset.path}: the dataset has no problems")
@@ -164,18 +173,23 @@ def run_eval(
             raise sandbox.SandboxUnavailable(
                 f"LiveCodeBench programs must run isolated, and isolation is unavailable here ({why}); "
                 f"pass --unsafe-code-execution to run them with resource limits only")
-    prompts = {p.id: _encode(model, p, settings) for p in problems}
+    prompts = {p.id: _encode(model, p, settings) for p in problems}  # all: every shard has the same capacity
     longest = max(map(len, prompts.values()))
     capacity = -(-max(bucket(longest), settings.policy.capacity(longest, settings.max_new_tokens)) // 128) * 128
     config = build_config(model_dict, dataset, settings, capacity)
+    if shard is not None:
+        if not (isinstance(shard[1], int) and 0 <= shard[0] < shard[1]):
+            raise ValueError(f"shard {shard}: expected (index, count) with 0 <= index < count")
+        config["shard"] = {"index": shard[0], "count": shard[1]}
     start = time.perf_counter()
     with RunWriter(out, config) as writer:
         done = writer.run.done() if writer.run else set()
         writer.write({"kind": "session", "started": time.time(), "host": host_platform.node(),
                       "resumed_with": len(done)})
-        todo = [(p, j) for p in problems for j in range(settings.samples) if (p.id, j) not in done]
+        mine = problems if shard is None else problems[shard[0]::shard[1]]
+        todo = [(p, j) for p in mine for j in range(settings.samples) if (p.id, j) not in done]
         summary = _generate_and_grade(model, prompts, todo, settings, capacity, writer, dataset.name, progress)
-    return RunSummary(Path(out), len(problems) * settings.samples, len(done), summary[0], summary[1],
+    return RunSummary(Path(out), len(mine) * settings.samples, len(done), summary[0], summary[1],
                       time.perf_counter() - start)
 
 
@@ -184,7 +198,8 @@ def _generate_and_grade(model, prompts, todo, settings, capacity, writer, datase
 
     engine = Engine(model, policy=settings.policy, slots=settings.slots, capacity=capacity,
                     max_new_tokens=settings.max_new_tokens, temperature=settings.sampling.temperature,
-                    top_p=settings.sampling.top_p, top_k=settings.sampling.top_k, chunk=settings.chunk)
+                    top_p=settings.sampling.top_p, top_k=settings.sampling.top_k, chunk=settings.chunk,
+                    mesh=settings.mesh)
     by_request = {}
     by_problem: dict[str, list[int]] = {}
     for problem, j in todo:

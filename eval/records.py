@@ -8,6 +8,10 @@ Every record is written with its newline in one flushed, fsynced write, so a run
 can leave only a torn last line (bytes after the last newline): `read_run` drops it (`torn_bytes`)
 and `RunWriter` truncates it before appending, so nothing is mixed in. Any other malformed line is
 an error naming the file and line.
+
+A run split over processes (`randkv eval` under `jax.distributed`) writes one file per process,
+`shard_path(out, i, n)`, whose configuration says `"shard": {"index": i, "count": n}`;
+`merge_shards` joins a complete set back into one run and refuses missing or overlapping shards.
 """
 
 from __future__ import annotations
@@ -124,3 +128,61 @@ class RunWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def shard_path(path: str | Path, index: int, count: int) -> Path:
+    """The run file of process `index` of `count`: run.jsonl -> run.shard-1-of-2.jsonl."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.shard-{index}-of-{count}{path.suffix}")
+
+
+def _unsharded(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k != "shard"}
+
+
+def merge_shards(runs: list[Run]) -> list[Run]:
+    """`runs` with every set of shards of one run joined into a single `Run` (in first-seen order).
+
+    A shard set must be complete (indices 0 .. count-1, each once) and its shards disjoint (no
+    (problem, sample) in two of them); anything else is refused with the files named."""
+    groups: dict[str, list[Run]] = {}
+    out: list[Run | str] = []
+    for run in runs:
+        if "shard" not in run.config:
+            out.append(run)
+            continue
+        key = config_hash(_unsharded(run.config))
+        if key not in groups:
+            groups[key] = []
+            out.append(key)
+        groups[key].append(run)
+    merged = {}
+    for key, shards in groups.items():
+        count = shards[0].config["shard"]["count"]
+        by_index: dict[int, Run] = {}
+        for run in shards:
+            index, n = run.config["shard"]["index"], run.config["shard"]["count"]
+            if n != count:
+                raise RunFileError(f"{run.path} is shard {index} of {n}, {shards[0].path} one of {count}")
+            if index in by_index:
+                raise RunFileError(f"shard {index} of {count} is given twice: {by_index[index].path} and {run.path}")
+            by_index[index] = run
+        missing = sorted(set(range(count)) - set(by_index))
+        if missing:
+            raise RunFileError(f"{shards[0].path}: shard(s) {', '.join(map(str, missing))} of {count} missing; "
+                               f"give every process's file ({shard_path('RUN.jsonl', missing[0], count)} ...)")
+        owner: dict[tuple[str, int], Path] = {}
+        for index in range(count):
+            run = by_index[index]
+            for pair in run.done():
+                if pair in owner:
+                    raise RunFileError(f"{run.path} and {owner[pair]} overlap: both hold problem {pair[0]!r} "
+                                       f"sample {pair[1]}")
+                owner[pair] = run.path
+        ordered = [by_index[i] for i in range(count)]
+        config = _unsharded(ordered[0].config)
+        merged[key] = Run(
+            path=Path(f"{ordered[0].path} (+{count - 1} shards)"), config=config, hash=config_hash(config),
+            sessions=[s for r in ordered for s in r.sessions], samples=[s for r in ordered for s in r.samples],
+        )
+    return [merged[x] if isinstance(x, str) else x for x in out]

@@ -61,7 +61,7 @@ from pathlib import Path
 
 import numpy as np
 
-from randkv_jax.eval.records import Run, read_run
+from randkv_jax.eval.records import Run, RunFileError, merge_shards, read_run
 
 __all__ = [
     "ReportError", "accuracy_ci", "clustered_bootstrap_ci", "pass_at_k", "mean_pass_at_k", "pass_ks",
@@ -384,16 +384,24 @@ def _check_run(run: Run) -> None:
 
 
 def load_runs(paths: Sequence[str | Path | Run]) -> list[Run]:
-    """Read and check the runs; refuse a file given twice or two files holding the same run."""
+    """Read and check the runs; the process shards of one run are merged into it (refused when
+    one is missing or two overlap); refuse a file given twice or two files holding the same run."""
     if not paths:
         raise ReportError("no run files given")
     runs, seen_paths, seen_hash = [], {}, {}
+    read = []
     for p in paths:
         run = _as_run(p)
         key = Path(run.path).resolve()
         if key in seen_paths:
             raise ReportError(f"{run.path} is given twice (as {seen_paths[key]} and {p})")
         seen_paths[key] = p
+        read.append(run)
+    try:
+        read = merge_shards(read)  # one run per complete set of process shards
+    except RunFileError as e:
+        raise ReportError(str(e)) from None
+    for run in read:
         if run.hash in seen_hash:
             raise ReportError(
                 f"{run.path} and {seen_hash[run.hash]} hold the same configuration (hash {run.hash[:12]}): "

@@ -7,7 +7,7 @@ For one eviction round and each (batch row b, layer l, KV head h) the kernel kee
   - every protected slot: pinned prompt entries and the window, as `rule.masks` says (the one
     definition the policies and `due` use too, called inside the kernel body);
   - the `n_select[b]` eligible slots with the highest draw
-    `eviction_draws(seed, row_seeds[b], l, h or 0, generated[b], slot // slots_per_draw)`, ties
+    `eviction_draws(seed, row_seeds[b], l, first_head + h or 0, generated[b], slot // slots_per_draw)`, ties
     going to the lower slot (all eligible slots when there are no more than `n_select[b]`: pass
     n_select >= slots for a row that is not due);
   - nothing else (empty slots, `pos == -1`, are never kept).
@@ -19,7 +19,7 @@ multiple of the interval, so distinct per round and per request).
 
 How the kernel works (no sort, top_k, cumsum, `jax.random` or hardware PRNG inside):
   1. the draws are recomputed in the kernel from iota counters with `hash_prng.eviction_draws`
-     (uint32 multiply / xor / shift only), the scalars (seed; per row: prompt length, generated
+     (uint32 multiply / xor / shift only), the scalars (seed, first head; per row: prompt length, generated
      count, n_select, row seed) read from SMEM on TPU;
   2. a 24-step bisection over the 24-bit draw finds T, the K-th largest eligible draw (the largest
      T with #{eligible, draw >= T} >= K); every eligible slot with draw > T is kept;
@@ -132,7 +132,7 @@ def _tile_keep(pos, head, slot, seed, row, layer, *, rule, shared_across_heads, 
 def _tpu_kernel(seed_ref, rows_ref, pos_ref, out_ref, **settings):
     b, l = pl.program_id(0), pl.program_id(1)
     pos = pos_ref[...]
-    head = jax.lax.broadcasted_iota(jnp.int32, pos.shape, 0)
+    head = jax.lax.broadcasted_iota(jnp.int32, pos.shape, 0) + seed_ref[1]
     slot = jax.lax.broadcasted_iota(jnp.int32, pos.shape, 1)
     row = tuple(rows_ref[b * _ROW_FIELDS + i] for i in range(_ROW_FIELDS))
     out_ref[...] = _tile_keep(pos, head, slot, seed_ref[0], row, l, **settings)
@@ -145,7 +145,7 @@ def _triton_kernel(seed_ref, rows_ref, pos_ref, out_ref, *, num_slots, **setting
     in_range = slot < num_slots
     pos = plt.load(pos_ref, mask=in_range, other=-1)
     row = tuple(rows_ref[i] for i in range(_ROW_FIELDS))
-    head = jnp.full(shape, h, jnp.int32)
+    head = jnp.full(shape, h + seed_ref[1], jnp.int32)
     plt.store(out_ref, _tile_keep(pos, head, slot, seed_ref[0], row, l, **settings), mask=in_range)
 
 
@@ -157,13 +157,13 @@ def _num_warps(s_pad: int) -> int:
     jax.jit, static_argnames=("rule", "shared_across_heads", "slots_per_draw", "platform", "interpret", "num_warps"),
 )
 def _random_keep_call(
-    positions, prompt_lens, generated, n_select, row_seeds, seed, *,
+    positions, prompt_lens, generated, n_select, row_seeds, seed, first_head, *,
     rule, shared_across_heads, slots_per_draw, platform, interpret, num_warps,
 ):
     l, b, k, s = positions.shape
     per_row = (prompt_lens, generated, n_select, row_seeds)
     rows = jnp.stack([jnp.asarray(x).astype(jnp.int32) for x in per_row], axis=1).reshape(-1)  # [b * 4]
-    seed = seed.reshape(1)
+    seed = jnp.stack([seed, first_head])  # [global seed, global index of the first KV head]
     out_shape = jax.ShapeDtypeStruct((l, b, k, s), jnp.int32)
     settings = dict(rule=rule, shared_across_heads=shared_across_heads, slots_per_draw=slots_per_draw)
     if platform == "tpu":
@@ -185,7 +185,7 @@ def _random_keep_call(
         functools.partial(_triton_kernel, slot_bits=s_pad.bit_length(), num_slots=s, **settings),
         grid=(b, l, k),
         in_specs=[
-            pl.BlockSpec((1,), lambda bi, li, hi: (0,)),
+            pl.BlockSpec((2,), lambda bi, li, hi: (0,)),
             pl.BlockSpec((_ROW_FIELDS,), lambda bi, li, hi: (bi,)),
             tile,
         ],
@@ -210,6 +210,7 @@ def random_keep_mask(
     interpret: bool,
     shared_across_heads: bool = False,
     slots_per_draw: int = 1,
+    first_head=0,
     num_warps: int | None = None,
 ) -> Bool[Array, "l b k s"]:
     """One eviction round's keep mask from the Pallas kernel (see the module docstring).
@@ -223,6 +224,8 @@ def random_keep_mask(
       rule: pins and window (`EvictionRule.masks`); its `n_select` is the caller's to apply.
       platform: "tpu" (Mosaic layout) or "triton" (GPU); interpret: run in interpret mode (CPU).
       shared_across_heads, slots_per_draw: Random Attention's controls.
+      first_head: the global index of head 0 of `positions` (int or int32 scalar): a shard of a
+        buffer split over KV heads draws with its heads' global numbers.
     """
     if platform not in PLATFORMS:
         raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
@@ -230,7 +233,7 @@ def random_keep_mask(
     if positions.shape[-1] >= 2**24:
         raise ValueError("at most 2^24 - 1 slots (counts are exact f32 sums)")
     out = _random_keep_call(
-        positions, prompt_lens, generated, n_select, row_seeds, _as_int32(seed), rule=rule,
+        positions, prompt_lens, generated, n_select, row_seeds, _as_int32(seed), _as_int32(first_head), rule=rule,
         shared_across_heads=bool(shared_across_heads), slots_per_draw=slots_per_draw, platform=platform,
         interpret=bool(interpret), num_warps=num_warps,
     )
@@ -255,6 +258,7 @@ def random_keep_mask_reference(
     slots_per_draw: int = 1,
     method: str = "argsort",
     max_select: int | None = None,
+    first_head=0,
 ) -> Bool[Array, "l b k s"]:
     """`random_keep_mask` in plain jnp (XLA); the same mask bit for bit, by one of three methods.
 
@@ -267,7 +271,7 @@ def random_keep_mask_reference(
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     _check_slots_per_draw(slots_per_draw)
     return _reference_call(
-        positions, prompt_lens, generated, n_select, row_seeds, _as_int32(seed), rule=rule,
+        positions, prompt_lens, generated, n_select, row_seeds, _as_int32(seed), _as_int32(first_head), rule=rule,
         shared_across_heads=bool(shared_across_heads), slots_per_draw=slots_per_draw, method=method,
         max_select=max_select,
     )
@@ -277,7 +281,7 @@ def random_keep_mask_reference(
     jax.jit, static_argnames=("rule", "shared_across_heads", "slots_per_draw", "method", "max_select")
 )
 def _reference_call(
-    positions, prompt_lens, generated, n_select, row_seeds, seed, *,
+    positions, prompt_lens, generated, n_select, row_seeds, seed, first_head, *,
     rule, shared_across_heads, slots_per_draw, method, max_select,
 ):
     l, b, k, s = positions.shape
@@ -285,7 +289,7 @@ def _reference_call(
     masks = rule.masks(positions, row(prompt_lens), row(generated))
     count = row(n_select)
     layer = jnp.arange(l, dtype=jnp.int32)[:, None, None, None]
-    head = 0 if shared_across_heads else jnp.arange(k, dtype=jnp.int32)[None, None, :, None]
+    head = 0 if shared_across_heads else first_head + jnp.arange(k, dtype=jnp.int32)[None, None, :, None]
     slot = jnp.arange(s, dtype=jnp.int32)[None, None, None, :]
     draws = eviction_draws(
         seed, row(row_seeds), layer, head, row(generated), _draw_block(slot, slots_per_draw)

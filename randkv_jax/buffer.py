@@ -41,6 +41,8 @@ class KVBuffer:
     """Slots in use per row (entries live in [0, fill))."""
     generated: Int[Array, " b"]
     """Generated tokens written per row (the next one goes to position prompt_lens + generated)."""
+    heads: Int[Array, " k"] | None = None
+    """Global index of each KV head held (None: 0 .. k-1, an unsplit buffer)."""
 
     @classmethod
     def empty(cls, config: ModelConfig, batch: int, capacity: int, dtype: Any) -> KVBuffer:
@@ -52,7 +54,15 @@ class KVBuffer:
             prompt_lens=jnp.zeros((batch,), jnp.int32),
             fill=jnp.zeros((batch,), jnp.int32),
             generated=jnp.zeros((batch,), jnp.int32),
+            heads=jnp.arange(config.num_kv_heads, dtype=jnp.int32),
         )
+
+    @property
+    def head_ids(self) -> Int[Array, " k"]:
+        """`heads`, or 0 .. k-1 when it is None."""
+        if self.heads is None:
+            return jnp.arange(self.positions.shape[2], dtype=jnp.int32)
+        return self.heads
 
     @property
     def capacity(self) -> int:

@@ -1,4 +1,4 @@
-"""The `randkv` command line: `generate`, `convert`, `info`, `calibrate`, `eval`, `report`, `sweep`."""
+"""The `randkv` command line: `generate`, `convert`, `info`, `calibrate`, `eval`, `report`, `sweep`, `plan`."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def _policy(args: argparse.Namespace, default_budget: int | None = None):
     budget = default_budget if budget is None else budget
     fields = policies.fields_of(args.policy)
     options = {"budget": budget, "window": window, "interval": interval, "protect": args.protect,
-               "seed": args.seed, "preset": args.preset}
+               "seed": getattr(args, "seed", None), "preset": args.preset}
     kwargs = {k: v for k, v in options.items() if k in fields and v is not None}
     if "stats" in fields:
         from randkv_jax.calibration import default_stats_dir
@@ -88,16 +88,20 @@ def _generate(args: argparse.Namespace) -> None:
     from randkv_jax.engine import Engine, encode_prompt
     from randkv_jax.models.loading import DEFAULT_MODEL, load_model
     from randkv_jax.progress import ProgressBar
+    from randkv_jax.sharding import parse_mesh
 
     policy = _policy(args)  # validate before the (slow) model load
     prompts = list(args.prompt) or list(DEMO_PROMPTS)
     print(f"model: {args.model or DEFAULT_MODEL}; policy: {policy}", flush=True)
-    model = load_model(args.model, dtype=args.dtype)
+    mesh = parse_mesh(args.mesh)
+    model = load_model(args.model, dtype=args.dtype, mesh=mesh)
     template_kwargs = {} if args.enable_thinking is None else {"enable_thinking": args.enable_thinking}
     ids = [encode_prompt(model, p, not args.no_chat, **template_kwargs) for p in prompts]
-    engine = Engine(model, policy=policy, slots=args.slots or len(ids), max_prompt_tokens=max(map(len, ids)),
+    data = 1 if mesh is None else mesh.shape["data"]
+    slots = args.slots or -(-len(ids) // data) * data
+    engine = Engine(model, policy=policy, slots=slots, max_prompt_tokens=max(map(len, ids)),
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                    top_k=args.top_k, chunk=args.chunk)
+                    top_k=args.top_k, chunk=args.chunk, mesh=mesh)
     for i, p in enumerate(ids):
         engine.submit(p, seed=args.seed + i, chat=False)
     start = time.perf_counter()
@@ -130,7 +134,7 @@ def _dataset(spec: str, limit: int | None):
 
 
 def _evaluate(model, model_path, dataset, policy_args, *, samples, max_new_tokens, seed, slots, chunk, sampling,
-              template_kwargs, unsafe, out, progress=True):
+              template_kwargs, unsafe, out, progress=True, mesh=None, shard=None):
     """One run of `randkv eval` (also a sweep's cell)."""
     from randkv_jax.eval import harness, tasks
 
@@ -141,25 +145,48 @@ def _evaluate(model, model_path, dataset, policy_args, *, samples, max_new_token
     settings = harness.EvalSettings(
         policy=policy, samples=samples or preset.samples, max_new_tokens=max_new_tokens or preset.max_new_tokens,
         sampling=sampling, seed=seed, slots=slots, chunk=chunk, template_kwargs=template_kwargs, unsafe_code=unsafe,
+        mesh=mesh,
     )
     print(f"eval: {dataset.name} ({len(dataset.problems)} problems x {settings.samples} samples), {policy}, "
           f"{sampling}, max {settings.max_new_tokens} new tokens -> {out}", flush=True)
-    summary = harness.run_eval(model, harness.model_info(model, model_path), dataset, settings, out, progress=progress)
+    summary = harness.run_eval(model, harness.model_info(model, model_path), dataset, settings, out, progress=progress,
+                               shard=shard)
     print(f"{summary.path}: {summary.skipped} samples were already done, {summary.completed} finished now "
           f"({summary.correct} strict-correct) in {summary.seconds:.0f} s; {summary.total} in the run")
     return summary
 
 
-def _eval(args: argparse.Namespace) -> None:
-    from randkv_jax.models.loading import load_model
+def _distributed(args: argparse.Namespace) -> tuple[int, int] | None:
+    """Join a multi-process run (`jax.distributed.initialize`): this process's (index, count)."""
+    import jax
 
+    if args.coordinator is None and not args.distributed:
+        return None
+    if args.coordinator is not None:
+        if args.num_processes is None or args.process_id is None:
+            raise ValueError("--coordinator needs --num-processes and --process-id")
+        jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
+                                   process_id=args.process_id)
+    else:  # the cluster's environment says who is who (Cloud TPU, SLURM, Open MPI, ...)
+        jax.distributed.initialize()
+    return jax.process_index(), jax.process_count()
+
+
+def _eval(args: argparse.Namespace) -> None:
+    from randkv_jax.eval.records import shard_path
+    from randkv_jax.models.loading import load_model
+    from randkv_jax.sharding import parse_mesh
+
+    shard = _distributed(args)  # before anything touches a device
+    out = args.out if shard is None else shard_path(args.out, *shard)
     dataset = _dataset(args.dataset, args.limit)  # validate before the (slow) model load
-    model = load_model(args.model, dtype=args.dtype)
+    mesh = parse_mesh(args.mesh)
+    model = load_model(args.model, dtype=args.dtype, mesh=mesh)
     template_kwargs = {} if args.enable_thinking is None else {"enable_thinking": args.enable_thinking}
     _evaluate(model, args.model, dataset, args, samples=args.samples, max_new_tokens=args.max_new_tokens,
               seed=args.seed, slots=args.slots, chunk=args.chunk, sampling=(args.temperature, args.top_p, args.top_k),
-              template_kwargs=template_kwargs, unsafe=args.unsafe_code_execution, out=args.out,
-              progress=not args.no_progress)
+              template_kwargs=template_kwargs, unsafe=args.unsafe_code_execution, out=out,
+              progress=not args.no_progress, mesh=mesh, shard=shard)
 
 
 def _report(args: argparse.Namespace) -> None:
@@ -192,6 +219,38 @@ def _sweep(args: argparse.Namespace) -> None:
     for cell, outcome in run_sweep(args.config, run_cell, dry_run=args.dry_run):
         budget = "" if cell.budget is None else f" budget {cell.budget}"
         print(f"{outcome:8s} {cell.model} / {cell.dataset} / {cell.policy}{budget} -> {cell.out}")
+
+
+def _plan(args: argparse.Namespace) -> None:
+    import json
+
+    from randkv_jax.models.config import read_hf_config
+    from randkv_jax.plan import parse_bytes, plan
+    from randkv_jax.sharding import mesh_sizes
+
+    config = read_hf_config(args.model)
+    policy = _policy(args)
+    mesh = mesh_sizes(args.mesh) if args.mesh else None  # sizes only: the devices need not exist here
+    memory = None if args.device_memory is None else parse_bytes(args.device_memory)
+    result = plan(config, batch=args.batch, prompt=args.prompt, generate=args.generate, policy=policy, mesh=mesh,
+                  dtype=args.dtype, chunk=args.chunk, device_memory=memory)
+    if args.json:
+        fields = dataclasses.asdict(result) | {"activations": result.activations, "total": result.total,
+                                               "fits": result.fits}
+        print(json.dumps(fields, indent=2))
+    else:
+        print(f"{args.model}: batch {args.batch}, prompt {args.prompt}, generate {args.generate}, {policy}, "
+              f"{args.dtype}")
+        print(result.table())
+    if result.fits is False:
+        raise ValueError(f"the plan needs {result.total / 2**30:.2f} GiB per device, more than the "
+                         f"{memory / 2**30:.2f} GiB given: fewer rows per device, a smaller budget or a larger mesh")
+
+
+def _add_mesh_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mesh", default=None,
+                        help="devices of this process: 'data=D,model=M' (slots split D ways, KV heads and "
+                             "parameters M ways) or 'auto' (data parallel over every local device)")
 
 
 def _add_policy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -236,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "queue, and a finished request's slot takes the next one")
     gen.add_argument("--chunk", type=int, default=64,
                      help="decode steps per device call (rounded up to a multiple of the policy's interval)")
+    _add_mesh_argument(gen)
     gen.set_defaults(run=_generate)
 
     convert = sub.add_parser("convert", help="convert a HF/GGUF checkpoint to randkv's Orbax format")
@@ -280,12 +340,34 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--unsafe-code-execution", action="store_true",
                     help="run LiveCodeBench programs with resource limits only where namespaces are unavailable")
     ev.add_argument("--no-progress", action="store_true")
+    _add_mesh_argument(ev)
+    ev.add_argument("--distributed", action="store_true",
+                    help="one process of a multi-host run (jax.distributed.initialize from the cluster's "
+                         "environment); each process evaluates its share of the problems into OUT.shard-I-of-N")
+    ev.add_argument("--coordinator", default=None, help="host:port of process 0 (explicit multi-process setup)")
+    ev.add_argument("--num-processes", type=int, default=None)
+    ev.add_argument("--process-id", type=int, default=None)
     ev.set_defaults(run=_eval)
 
     rep = sub.add_parser("report", help="accuracy with intervals, pass@k, paired tests and plots of eval runs")
     rep.add_argument("runs", nargs="+", help="run files written by `randkv eval`")
     rep.add_argument("--out-dir", default=None, help="write report.md and PNG plots here")
     rep.set_defaults(run=_report)
+
+    pl = sub.add_parser("plan", help="bytes per device of a generation run (parameters, KV buffer, loop state, "
+                                     "activations), before anything is allocated")
+    pl.add_argument("--model", required=True, help="a config.json or a checkpoint directory holding one")
+    pl.add_argument("--batch", type=int, required=True, help="rows decoded together (all devices)")
+    pl.add_argument("--prompt", type=int, required=True, help="prompt tokens per row")
+    pl.add_argument("--generate", type=int, required=True, help="new tokens per row")
+    _add_policy_arguments(pl)
+    pl.add_argument("--mesh", default=None, help="'data=D,model=M' (the devices need not exist here)")
+    pl.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    pl.add_argument("--chunk", type=int, default=64, help="decode steps per device call")
+    pl.add_argument("--device-memory", default=None,
+                    help="refuse a plan that does not fit this much memory per device (e.g. 80GiB, 141GB)")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.set_defaults(run=_plan)
 
     sw = sub.add_parser("sweep", help="run a grid of evals from a TOML file, skipping finished runs")
     sw.add_argument("config", help="the sweep file (see randkv_jax.eval.sweep)")

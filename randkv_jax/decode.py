@@ -31,9 +31,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from randkv_jax.attention import buffer_attention
+from jax.sharding import Mesh
+
 from randkv_jax import buffer as kv_buffer
 from randkv_jax import observations as obs_lib
+from randkv_jax import sharding
+from randkv_jax.attention import buffer_attention
 from randkv_jax.buffer import KVBuffer, compact
 from randkv_jax.models.config import ModelConfig
 from randkv_jax.models.decoder import Decoder, dense_attention
@@ -143,12 +146,18 @@ class DecodeSpec:
     platform: str
     """JAX platform the program is built for ("cpu", "gpu", "tpu"): picks the eviction kernel
     (Pallas or XLA) and the CPU slicing workaround of `buffer_attention`, once, before tracing."""
+    mesh: Mesh | None = None
+    """Devices the loop runs on (axes `data`, `model`; `randkv_jax.sharding`): the state's rows
+    split over `data`, its KV heads over `model`, eviction rounds per shard. None: one device."""
 
     def __post_init__(self):
         if self.platform not in PLATFORMS:
             raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}")
         if not isinstance(self.chunk, int) or self.chunk < 1:
             raise ValueError(f"chunk must be a positive integer, got {self.chunk!r}")
+        if self.mesh is not None:
+            sharding.check_mesh(self.mesh)
+            sharding.check_policy(self.policy, self.config, self.mesh)
 
     def observations(self, batch: int, capacity: int) -> Observations | None:
         return Observations.create(self.policy.needs, self.config, batch, capacity, self.dtype)
@@ -268,7 +277,7 @@ def insert(
         held_after_round=put(state.held_after_round, 0), row_seeds=put(state.row_seeds, seed),
         observations=obs_lib.insert_row(state.observations, slot, prompt.observations, row),
     )
-    return state, first
+    return sharding.constrain(state, spec.config, spec.mesh), first
 
 
 def _step(params, state: LoopState, index: Int[Array, ""], spec: DecodeSpec) -> LoopState:
@@ -296,21 +305,27 @@ def _step(params, state: LoopState, index: Int[Array, ""], spec: DecodeSpec) -> 
     token = sample_tokens(logits[:, 0], _row_keys(state.row_seeds), buffer.generated, spec.sampling)
     n_new = state.n_new + step
     stopped = jnp.any(token[:, None] == state.stop_ids, axis=-1) | (n_new >= state.max_new)
-    return dataclasses.replace(
+    state = dataclasses.replace(
         state, buffer=buffer, last=jnp.where(active, token, state.last), active=active & ~stopped, n_new=n_new,
         emitted=state.emitted.at[:, index].set(jnp.where(active, token, -1)),
         evictions=state.evictions + due, peak_slots=peak_slots,
         held_after_round=jnp.where(due, buffer.fill, state.held_after_round),
         rounds_run=state.rounds_run + jnp.any(due), observations=observations,
     )
+    return sharding.constrain(state, spec.config, spec.mesh)
 
 
 def _evict(spec: DecodeSpec, buffer: KVBuffer, observations, row_seeds):
     """One eviction round: the policy's keep-mask, then compaction of the buffer (and of what
-    the policy observed per slot)."""
-    keep = spec.policy.keep_mask(buffer, row_seeds, observations, platform=spec.platform)
-    buffer, order = compact(buffer, keep)
-    return buffer, reorder(observations, order, buffer.valid)
+    the policy observed per slot). With a mesh, each device runs it on the rows and KV heads it
+    holds (`sharding.per_shard`): nothing moves between devices."""
+
+    def local(buffer, observations, row_seeds):
+        keep = spec.policy.keep_mask(buffer, row_seeds, observations, platform=spec.platform)
+        buffer, order = compact(buffer, keep)
+        return buffer, reorder(observations, order, buffer.valid)
+
+    return sharding.per_shard(local, spec.config, spec.mesh, (buffer, observations, row_seeds), rows=(2,))
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
@@ -327,6 +342,7 @@ def decode_chunk(params, state: LoopState, max_steps: Int[Array, ""], *, spec: D
         s, index = carry
         return _step(params, s, index, spec), index + 1
 
-    state = dataclasses.replace(state, emitted=jnp.full_like(state.emitted, -1))
+    state = sharding.constrain(dataclasses.replace(state, emitted=jnp.full_like(state.emitted, -1)),
+                               spec.config, spec.mesh)
     state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
     return state

@@ -33,7 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from randkv_jax import decode
+from jax.sharding import Mesh
+
+from randkv_jax import decode, sharding
 from randkv_jax.decode import MAX_STOP_IDS, DecodeSpec, Prefilled, padded_capacity, platform_of
 from randkv_jax.models.model import Model
 from randkv_jax.sampling import SamplingParams
@@ -151,6 +153,9 @@ class Engine:
       temperature, top_p, top_k: sampling, the same for every request (temperature 0 = greedy).
       chunk: decode steps per device call (default 64), rounded up to a multiple of the policy's
         interval.
+      mesh: run on several devices (`randkv_jax.sharding.parse_mesh("data=D,model=M")`): slots
+        split over `data` (a multiple of it), KV heads and parameters over `model`. The model's
+        parameters are placed on the mesh if they are not already.
     """
 
     def __init__(
@@ -166,6 +171,7 @@ class Engine:
         top_p: float = 1.0,
         top_k: int = 0,
         chunk: int = DEFAULT_CHUNK,
+        mesh: Mesh | None = None,
     ):
         from randkv_jax import policies
 
@@ -181,12 +187,17 @@ class Engine:
             capacity = padded_capacity(policy, bucket(max_prompt_tokens), max_new_tokens)
         elif not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be a positive integer, got {capacity!r}")
+        if mesh is not None:
+            sharding.check_mesh(mesh)
+            sharding.check_rows(slots, mesh)
+            model = dataclasses.replace(model, params=sharding.shard_params(model.params, model.config, mesh))
+        self.mesh = mesh
         self.model, self.policy, self.slots, self.capacity = model, policy, slots, capacity
         self.max_new_tokens = max_new_tokens
         self.interval = policy.interval
         self.spec = DecodeSpec(
             config=model.config, dtype=model.dtype, policy=policy, sampling=SamplingParams(temperature, top_p, top_k),
-            chunk=-(-chunk // self.interval) * self.interval, platform=platform_of(model.params),
+            chunk=-(-chunk // self.interval) * self.interval, platform=platform_of(model.params), mesh=mesh,
         )
         self._eos = set(model.config.eos_token_ids) | (set(model.tokenizer.eos_token_ids) if model.tokenizer else set())
         self._queue: collections.deque[_Request] = collections.deque()
@@ -200,8 +211,10 @@ class Engine:
         self._steps_since_idle = 0
         start = time.perf_counter()
         # compile the decode program now (a call of zero steps), so no chunk's time includes it
-        self.state = decode.decode_chunk(model.params, decode.empty_state(self.spec, slots, capacity), jnp.int32(0),
-                                         spec=self.spec)
+        state = decode.empty_state(self.spec, slots, capacity)
+        if mesh is not None:
+            state = jax.device_put(state, sharding.state_shardings(state, model.config, mesh))
+        self.state = decode.decode_chunk(model.params, state, jnp.int32(0), spec=self.spec)
         jax.block_until_ready(self.state)
         self.compile_seconds = time.perf_counter() - start
 

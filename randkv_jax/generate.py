@@ -58,6 +58,7 @@ def generate(
     chunk: int = 256,
     progress: Callable[[int, int], None] | None = None,
     return_state: bool = False,
+    mesh: Any = None,
     **template_kwargs: Any,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` per prompt under `policy` (default `RandomAttention()`).
@@ -77,6 +78,9 @@ def generate(
         the policy's interval).
       progress: called as progress(steps, max_new_tokens) after each chunk, `steps` being the
         batch's decode steps so far (+1 for the prefill's token): its progress towards the cap.
+      mesh: a `jax.sharding.Mesh` with axes ("data", "model") (`randkv_jax.sharding.parse_mesh`):
+        prompts split over `data` (padded with empty slots to a multiple of it), parameters and
+        KV heads over `model`. Each row's tokens are those it produces on one device.
     """
     from randkv_jax import policies
 
@@ -101,8 +105,10 @@ def generate(
             f"capacity {capacity} is too small: the longest prompt ({longest} tokens, padded to {padded_len}) "
             f"with {policy} and max_new_tokens={max_new_tokens} needs {needed} slots"
         )
-    engine = Engine(model, policy=policy, slots=len(ids), capacity=capacity, max_new_tokens=max_new_tokens,
-                    temperature=temperature, top_p=top_p, top_k=top_k, chunk=chunk)
+    data = 1 if mesh is None else mesh.shape["data"]
+    engine = Engine(model, policy=policy, slots=-(-len(ids) // data) * data, capacity=capacity,
+                    max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, chunk=chunk,
+                    mesh=mesh)
     request_ids = [engine.submit(p, max_new_tokens=max_new_tokens, seed=s, stop_tokens=stop_tokens,
                                  ignore_eos=ignore_eos, chat=False)[0] for p, s in zip(ids, seeds)]
     report = None if progress is None else (lambda p: progress(p.steps + 1, max_new_tokens))

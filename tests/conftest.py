@@ -1,9 +1,9 @@
-"""Test-wide settings (no hub access, 4 CPU devices so sharding can be exercised) and shared fixtures."""
+"""Test-wide settings (no hub access, 8 CPU devices so sharding can be exercised) and shared fixtures."""
 
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import pytest  # noqa: E402  (after the environment: jax reads XLA_FLAGS at import)
 

@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 import randkv_jax
+from randkv_jax.sharding import parse_mesh
 from randkv_jax.cli import main
 from randkv_jax.models import forward
 from tests.hf_tiny import save_tiny
@@ -46,7 +47,7 @@ def test_sharded_restore_over_a_mesh(converted):
     src, out = converted
     if jax.device_count() < 4:
         pytest.skip("needs 4 (fake CPU) devices: XLA_FLAGS=--xla_force_host_platform_device_count=4")
-    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = parse_mesh("data=2,model=2")
     for path in (out, src):  # converted (Orbax) and direct HF loading both honour the mesh
         model = randkv_jax.load_model(path, dtype="float32", mesh=mesh)
         q = model.params["layers"]["attn"]["q_proj"]

@@ -188,3 +188,40 @@ def test_smollm2_on_math500_with_two_policies_graded_reported_and_plotted(tmp_pa
     assert "random" in text and "snapkv" in text and "math500" in text
     pngs = list((tmp_path / "report").glob("*.png"))
     assert pngs and all(p.stat().st_size > 1000 for p in pngs)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_on_loopback_write_shards_that_report_merges(tiny_dir, problems_file, uninterrupted, tmp_path,
+                                                                   capsys):
+    """Two local processes joined by `jax.distributed.initialize` (loopback coordinator), each
+    evaluating its half of the problems data parallel over 3 local devices: their shard files
+    hold exactly the uninterrupted one-device run's records, and `randkv report` merges them."""
+    out = tmp_path / "dist.jsonl"
+    address = f"127.0.0.1:{_free_port()}"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=3")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "randkv_jax.cli", *_argv(tiny_dir, problems_file, out), "--mesh", "data=3",
+         "--coordinator", address, "--num-processes", "2", "--process-id", str(i)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for i in range(2)]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
+    shards = [tmp_path / f"dist.shard-{i}-of-2.jsonl" for i in range(2)]
+    for i, shard in enumerate(shards):
+        run = read_run(shard)
+        assert run.config["shard"] == {"index": i, "count": 2} and run.config["engine"]["mesh"] == {"data": 3, "model": 1}
+        assert {r["problem_id"] for r in run.samples} == {p["id"] for p in PROBLEMS[i::2]}
+    merged = {**_samples(shards[0]), **_samples(shards[1])}
+    assert merged == _samples(uninterrupted)
+    capsys.readouterr()
+    assert main(["report", *map(str, shards)]) == 0
+    table = capsys.readouterr().out
+    assert "(+1 shards)" in table or "random" in table
+    assert main(["report", str(shards[1])]) == 2
+    assert "shard(s) 0 of 2 missing" in capsys.readouterr().err

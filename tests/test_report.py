@@ -314,3 +314,26 @@ def test_runs_in_the_harness_format(tmp_path):
                       harness_samples(problems[:4], 2, "full", lambda i, j: True), sessions=(50.0,))
     with pytest.raises(rp.ReportError, match="different versions of dataset"):
         rp.paired_comparison(partial, other)
+
+
+def test_process_shards_merge_into_one_run_and_incomplete_or_overlapping_sets_are_refused(tmp_path):
+    outcomes = [[True], [False], [True], [True], [False]]
+    whole = outcomes_run(tmp_path / "whole.jsonl", outcomes)
+    shard = lambda i, n, pids, name: write_run(  # noqa: E731
+        tmp_path / name, config(shard={"index": i, "count": n}),
+        [sample(p, 0, outcomes[p][0], completed_at=float(p + 1)) for p in pids])
+    s0, s1 = shard(0, 2, [0, 2, 4], "a.jsonl"), shard(1, 2, [1, 3], "b.jsonl")
+    (merged,) = rp.load_runs([s1, s0])
+    assert merged.config == read_run(whole).config and merged.hash == read_run(whole).hash
+    assert sorted(r["problem_id"] for r in merged.samples) == [0, 1, 2, 3, 4]
+    assert rp.summarize(merged).accuracy == rp.summarize(whole).accuracy == 3 / 5
+    with pytest.raises(rp.ReportError, match=r"shard\(s\) 1 of 2 missing"):
+        rp.load_runs([s0])
+    with pytest.raises(rp.ReportError, match="shard 0 of 2 is given twice"):
+        rp.load_runs([s0, s1, shard(0, 2, [0], "c.jsonl")])
+    with pytest.raises(rp.ReportError, match="overlap: both hold problem 2 sample 0"):
+        rp.load_runs([s0, shard(1, 2, [1, 2, 3], "d.jsonl")])
+    with pytest.raises(rp.ReportError, match="shard 2 of 3"):
+        rp.load_runs([s0, s1, shard(2, 3, [0], "e.jsonl")])
+    with pytest.raises(rp.ReportError, match="same configuration"):  # a shard set and the whole run
+        rp.load_runs([s0, s1, whole])

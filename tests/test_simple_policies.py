@@ -341,8 +341,8 @@ def test_random_attention_loop_state_and_program_have_no_observations(tiny_model
     assert random_state.observations is None
     assert h2o_state.observations.queries is None and tova_state.observations.attention_sum is None
     leaves = len(jax.tree.leaves(random_state))
-    # the buffer (generated included), 10 per-row arrays [b] or [b, .], the rounds counter
-    assert leaves == len(jax.tree.leaves(random_state.buffer)) + 11 == 6 + 11
+    # the buffer (generated and head ids included), 10 per-row arrays [b] or [b, .], the rounds counter
+    assert leaves == len(jax.tree.leaves(random_state.buffer)) + 11 == 7 + 11
     assert len(jax.tree.leaves(h2o_state)) == leaves + 1 and len(jax.tree.leaves(tova_state)) == leaves + 1
     l, b, k, s = random_state.buffer.positions.shape
     attention_sum = f"tensor<{l}x{b}x{k}x{s}xf32>"

@@ -80,6 +80,8 @@ class EvictionPolicy:
     """
 
     name: ClassVar[str] = "eviction"
+    scores_across_heads: ClassVar[bool] = False
+    """A slot's score mixes the heads of its layer (TOVA): the heads cannot be split over devices."""
     budget: int = 1024
     """T: entries each (layer, row, KV head) holds right after a round, window included."""
     window: int = 64

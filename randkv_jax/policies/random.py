@@ -64,7 +64,7 @@ class RandomAttention(EvictionPolicy):
     def scores(self, buffer: KVBuffer, row_seeds: Int[Array, " b"], observations=None) -> Float[Array, "l b k s"]:
         l, b, k, s = buffer.positions.shape
         layer = jnp.arange(l)[:, None, None, None]
-        head = 0 if self.shared_across_heads else jnp.arange(k)[None, None, :, None]
+        head = 0 if self.shared_across_heads else buffer.head_ids[None, None, :, None]
         slot = jnp.arange(s)[None, None, None, :] // self.slots_per_draw
         per_row = lambda x: x[None, :, None, None]  # noqa: E731
         draws = eviction_draws(self.seed, per_row(row_seeds), layer, head, per_row(buffer.generated), slot)
@@ -80,5 +80,6 @@ class RandomAttention(EvictionPolicy):
         return random_keep_mask(
             buffer.positions, buffer.prompt_lens, buffer.generated, n_select, row_seeds, self.seed,
             rule=self.rule, platform="triton" if platform == "gpu" else "tpu", interpret=platform == "cpu",
+            first_head=buffer.head_ids[0],
             shared_across_heads=self.shared_across_heads, slots_per_draw=self.slots_per_draw,
         )

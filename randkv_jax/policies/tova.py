@@ -47,6 +47,7 @@ def tova_scores(
 @dataclasses.dataclass(frozen=True)
 class TOVA(EvictionPolicy):
     name: ClassVar[str] = "tova"
+    scores_across_heads: ClassVar[bool] = True
     protect: str = "none"
 
     @property

@@ -165,12 +165,16 @@ class TriAttention(EvictionPolicy):
             return frequency_scores(keys, positions, t, q_re, q_im, q_abs, st.inv_freq, st.attention_scaling,
                                     self.offset_max)
 
-        raw = jax.lax.map(layer_scores, (buffer.keys, buffer.positions, jnp.asarray(st.q_mean_real),
-                                         jnp.asarray(st.q_mean_imag), jnp.asarray(st.q_abs_mean)))
+        # the query heads of the KV heads held (all of them, or one shard's under tensor parallelism)
+        group = st.shape[1] // st.meta["num_kv_heads"]
+        query_heads = (buffer.head_ids[:, None] * group + jnp.arange(group)).reshape(-1)
+        per_head = lambda x: jnp.take(jnp.asarray(x), query_heads, axis=1)  # noqa: E731
+        raw = jax.lax.map(layer_scores, (buffer.keys, buffer.positions, per_head(st.q_mean_real),
+                                         per_head(st.q_mean_imag), per_head(st.q_abs_mean)))
         l, b, h, s = raw.shape
         per_row = lambda x: x[None, :, None, None]  # noqa: E731
         draws = eviction_draws(
-            self.seed, per_row(row_seeds), jnp.arange(l)[:, None, None, None], jnp.arange(h)[None, None, :, None],
+            self.seed, per_row(row_seeds), jnp.arange(l)[:, None, None, None], query_heads[None, None, :, None],
             per_row(buffer.generated), jnp.arange(s)[None, None, None, :],
         )
         noise = open_uniform(draws)

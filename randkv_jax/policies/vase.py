@@ -116,7 +116,7 @@ class VaSE(EvictionPolicy):
         l, b, k, s = buffer.positions.shape
         per_row = lambda x: x[None, :, None, None]  # noqa: E731
         draws = eviction_draws(
-            self.seed, per_row(row_seeds), jnp.arange(l)[:, None, None, None], jnp.arange(k)[None, None, :, None],
+            self.seed, per_row(row_seeds), jnp.arange(l)[:, None, None, None], buffer.head_ids[None, None, :, None],
             per_row(buffer.generated), jnp.arange(s)[None, None, None, :],
         )
         masks = self.round_masks(buffer)
