@@ -596,7 +596,7 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "dataset"
 
 
-def _figure(width: float = 6.4, height: float = 4.2):
+def figure(width: float = 6.4, height: float = 4.2):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -622,7 +622,7 @@ def plot_accuracy_vs_compression(summaries: Sequence[RunSummary], out_dir: str |
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for dataset, group in _by_dataset(summaries).items():
-        fig = _figure()
+        fig = figure()
         ax = fig.add_subplot()
         x = [s.compression for s in group]
         y = [100 * s.accuracy for s in group]
@@ -648,7 +648,7 @@ def plot_policies(summaries: Sequence[RunSummary], out_dir: str | Path) -> list[
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for dataset, group in _by_dataset(summaries).items():
-        fig = _figure(max(4.0, 1.1 * len(group) + 2), 4.2)
+        fig = figure(max(4.0, 1.1 * len(group) + 2), 4.2)
         ax = fig.add_subplot()
         pos = np.arange(len(group))
         labels = [s.policy if sum(t.policy == s.policy for t in group) == 1 else f"{s.policy}\n{s.model}"

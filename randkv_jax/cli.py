@@ -1,4 +1,5 @@
-"""The `randkv` command line: `generate`, `convert`, `info`, `calibrate`, `eval`, `report`, `sweep`, `plan`."""
+"""The `randkv` command line: `generate`, `convert`, `info`, `calibrate`, `eval`, `report`, `sweep`, `plan`,
+`probe`."""
 
 from __future__ import annotations
 
@@ -247,6 +248,68 @@ def _plan(args: argparse.Namespace) -> None:
                          f"{memory / 2**30:.2f} GiB given: fewer rows per device, a smaller budget or a larger mesh")
 
 
+def _filler_texts(path: str) -> list[str]:
+    """A JSONL file (each line's "solution", or "text", field) or a plain text file (paragraphs)."""
+    import json
+
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"filler file {path} does not exist")
+    raw = file.read_text()
+    if file.suffix == ".jsonl":
+        texts = []
+        for number, line in enumerate(raw.splitlines(), start=1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            text = record.get("solution") or record.get("text")
+            if not isinstance(text, str):
+                raise ValueError(f"{path}, line {number}: no 'solution' or 'text' string")
+            texts.append(text)
+    else:
+        texts = [p for p in raw.split("\n\n") if p.strip()]
+    if not texts:
+        raise ValueError(f"{path} holds no filler text")
+    return texts
+
+
+def _probe(args: argparse.Namespace) -> None:
+    import json
+    import time
+
+    from randkv_jax import policies
+    from randkv_jax.eval import probes
+    from randkv_jax.models.loading import load_model
+
+    texts = _filler_texts(args.filler)
+    base = _policy(args)
+    model = load_model(args.model, dtype=args.dtype)
+    start, cpu = time.perf_counter(), time.process_time()
+    common = dict(trials=args.trials, seed=args.seed, slots=args.slots)
+    if args.kind == "planted-fact":
+        counts = None if args.heads is None else [int(x) for x in args.heads.split(",")]
+        result = probes.planted_fact(model, texts, base, rounds=args.rounds, head_counts=counts, **common)
+    elif args.kind == "passcode":
+        named = {}
+        for name in args.policies.split(","):
+            args.policy = name
+            named[name] = policies.FullAttention() if name == "full" else _policy(args)
+        result = probes.passcode(model, texts, named, rounds=args.rounds, **common)
+    elif args.kind == "block-size":
+        blocks = [int(x) for x in args.blocks.split(",")]
+        result = probes.block_size(model, texts, base, blocks=blocks, tokens=args.tokens, **common)
+    else:
+        result = probes.survival(model, texts, base, tokens=args.tokens, **common)
+    result["model"] = args.model or "default (SmolLM2-135M-Instruct)"
+    result["wall_seconds"], result["cpu_seconds"] = time.perf_counter() - start, time.process_time() - cpu
+    text = json.dumps(result, indent=2, default=float)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    if args.plot:
+        probes.plot(result, args.plot)
+
+
 def _add_mesh_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mesh", default=None,
                         help="devices of this process: 'data=D,model=M' (slots split D ways, KV heads and "
@@ -368,6 +431,27 @@ def build_parser() -> argparse.ArgumentParser:
                     help="refuse a plan that does not fit this much memory per device (e.g. 80GiB, 141GB)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(run=_plan)
+
+    pr = sub.add_parser("probe", help="the paper's mechanism probes: planted fact with head pinning, passcode, "
+                                      "block size, survival curves")
+    pr.add_argument("kind", choices=["planted-fact", "passcode", "block-size", "survival"])
+    pr.add_argument("--model", default=None, help="checkpoint (default: the embedded SmolLM2-135M-Instruct)")
+    pr.add_argument("--filler", required=True,
+                    help="filler text: a JSONL file (its 'solution' or 'text' fields, e.g. MATH500) or a text file")
+    _add_policy_arguments(pr)
+    pr.add_argument("--policies", default="random,rkv,full", help="passcode: the policies compared (names)")
+    pr.add_argument("--rounds", type=int, default=8, help="planted fact / passcode: the needle's age in rounds")
+    pr.add_argument("--heads", default=None, help="planted fact: numbers of KV heads holding the needle "
+                                                   "(comma list; default 0 .. all)")
+    pr.add_argument("--blocks", default="1,4,16,64,256", help="block size: slots per draw (comma list)")
+    pr.add_argument("--tokens", type=int, default=1024, help="block size / survival: forced tokens per trial")
+    pr.add_argument("--trials", type=int, default=32)
+    pr.add_argument("--seed", type=int, default=0)
+    pr.add_argument("--slots", type=int, default=8)
+    pr.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    pr.add_argument("--out", default=None, help="write the result (JSON) here")
+    pr.add_argument("--plot", default=None, help="write a PNG plot here")
+    pr.set_defaults(run=_probe)
 
     sw = sub.add_parser("sweep", help="run a grid of evals from a TOML file, skipping finished runs")
     sw.add_argument("config", help="the sweep file (see randkv_jax.eval.sweep)")

@@ -16,6 +16,10 @@ own count. Rows that are not active (finished, cancelled, empty) are frozen: not
 changes and nothing they compute is kept. Nothing in the step depends on Python values that
 change per token, so a (slots, capacity, policy) shape compiles once.
 
+Teacher forcing (`DecodeSpec.forced` > 0, for the probes): a request's first tokens are fed
+instead of sampled ones, through the same steps and eviction rounds, and every produced token's
+log-probability and argmax flag are recorded (`LoopState.emitted_logprob`, `emitted_greedy`).
+
 The model-loop seam is typed: the decoder calls `Attend` functions with `PrefillInputs` or
 `DecodeInputs` (the same for every layer) and carries a `CacheState` (the buffer and what the
 policy observes) through the layers.
@@ -131,6 +135,14 @@ class LoopState:
     """Decode steps that ran an eviction round (for any row): the batched cost of eviction."""
     observations: Observations | None
     """What a scoring policy records (recent queries, accumulated attention); None otherwise."""
+    forced: Int[Array, "b f"] | None = None
+    """Teacher forcing (only when `DecodeSpec.forced` > 0): each row's first tokens, fed instead
+    of sampled ones (-1 past a row's forced length; f = the spec's `forced`)."""
+    emitted_logprob: Float[Array, "b c"] | None = None
+    """With teacher forcing: the float32 log-probability the model gave each token in `emitted`."""
+    emitted_greedy: Bool[Array, "b c"] | None = None
+    """With teacher forcing: whether each token in `emitted` was the model's argmax (what greedy
+    decoding would have produced)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,12 +161,16 @@ class DecodeSpec:
     mesh: Mesh | None = None
     """Devices the loop runs on (axes `data`, `model`; `randkv_jax.sharding`): the state's rows
     split over `data`, its KV heads over `model`, eviction rounds per shard. None: one device."""
+    forced: int = 0
+    """Teacher forcing: the most tokens a request may force (0: none; `LoopState.forced`)."""
 
     def __post_init__(self):
         if self.platform not in PLATFORMS:
             raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}")
         if not isinstance(self.chunk, int) or self.chunk < 1:
             raise ValueError(f"chunk must be a positive integer, got {self.chunk!r}")
+        if not isinstance(self.forced, int) or self.forced < 0:
+            raise ValueError(f"forced must be a non-negative integer, got {self.forced!r}")
         if self.mesh is not None:
             sharding.check_mesh(self.mesh)
             sharding.check_policy(self.policy, self.config, self.mesh)
@@ -246,6 +262,10 @@ def empty_state(spec: DecodeSpec, slots: int, capacity: int) -> LoopState:
         stop_ids=jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32), emitted=jnp.full((slots, spec.chunk), -1, jnp.int32),
         evictions=zeros(), peak_slots=zeros(), held_after_round=zeros(), row_seeds=zeros(), rounds_run=jnp.int32(0),
         observations=spec.observations(slots, capacity),
+        **({} if not spec.forced else dict(
+            forced=jnp.full((slots, spec.forced), -1, jnp.int32),
+            emitted_logprob=jnp.zeros((slots, spec.chunk), jnp.float32),
+            emitted_greedy=jnp.zeros((slots, spec.chunk), bool))),
     )
 
 
@@ -258,14 +278,23 @@ def insert(
     seed: Int[Array, ""],
     max_new: Int[Array, ""],
     stop_ids: Int[Array, " m"],
+    forced: Int[Array, " f"] | None = None,
     *,
     spec: DecodeSpec,
 ) -> tuple[LoopState, Int[Array, ""]]:
     """Start a request in `slot` from row `row` of `prompt`: that row of the buffer and of the
-    observations replaced, its counters reset, its first token sampled (key(seed), count 0).
+    observations replaced, its counters reset, its first token sampled (key(seed), count 0), or
+    `forced[0]` when it forces tokens (`forced` [spec.forced], -1 padded; needs spec.forced > 0).
     Returns the state (no other row touched) and the first token."""
     first = sample_tokens(prompt.logits[row][None], _row_keys(seed[None]), jnp.zeros((1,), jnp.int32),
                           spec.sampling)[0]
+    teacher = {}
+    if spec.forced:
+        forced = jnp.full((spec.forced,), -1, jnp.int32) if forced is None else forced.astype(jnp.int32)
+        first = jnp.where(forced[0] >= 0, forced[0], first)
+        teacher = dict(forced=state.forced.at[slot].set(forced))
+    elif forced is not None:
+        raise ValueError("forced tokens need a DecodeSpec with forced > 0")
     active = ~jnp.any(first == stop_ids) & (max_new > 1)
     put = lambda x, value: x.at[slot].set(value)  # noqa: E731
     buffer = kv_buffer.insert_row(state.buffer, slot, prompt.buffer, row)
@@ -275,7 +304,7 @@ def insert(
         n_new=put(state.n_new, 1), max_new=put(state.max_new, max_new), stop_ids=put(state.stop_ids, stop_ids),
         emitted=put(state.emitted, -1), evictions=put(state.evictions, 0), peak_slots=put(state.peak_slots, length),
         held_after_round=put(state.held_after_round, 0), row_seeds=put(state.row_seeds, seed),
-        observations=obs_lib.insert_row(state.observations, slot, prompt.observations, row),
+        observations=obs_lib.insert_row(state.observations, slot, prompt.observations, row), **teacher,
     )
     return sharding.constrain(state, spec.config, spec.mesh), first
 
@@ -303,6 +332,17 @@ def _step(params, state: LoopState, index: Int[Array, ""], spec: DecodeSpec) -> 
             buffer, cache.observations, state.row_seeds,
         )
     token = sample_tokens(logits[:, 0], _row_keys(state.row_seeds), buffer.generated, spec.sampling)
+    teacher = {}
+    if spec.forced:  # the next token is forced[n_new] while the row has forced tokens left
+        index_in = jnp.minimum(state.n_new, spec.forced - 1)[:, None]
+        wanted = jnp.where(state.n_new < spec.forced, jnp.take_along_axis(state.forced, index_in, axis=1)[:, 0], -1)
+        token = jnp.where(wanted >= 0, wanted, token)
+        logprobs = jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1)
+        chosen = jnp.take_along_axis(logprobs, token[:, None], axis=1)[:, 0]
+        teacher = dict(
+            emitted_logprob=state.emitted_logprob.at[:, index].set(jnp.where(active, chosen, 0.0)),
+            emitted_greedy=state.emitted_greedy.at[:, index].set(active & (jnp.argmax(logprobs, axis=-1) == token)),
+        )
     n_new = state.n_new + step
     stopped = jnp.any(token[:, None] == state.stop_ids, axis=-1) | (n_new >= state.max_new)
     state = dataclasses.replace(
@@ -310,7 +350,7 @@ def _step(params, state: LoopState, index: Int[Array, ""], spec: DecodeSpec) -> 
         emitted=state.emitted.at[:, index].set(jnp.where(active, token, -1)),
         evictions=state.evictions + due, peak_slots=peak_slots,
         held_after_round=jnp.where(due, buffer.fill, state.held_after_round),
-        rounds_run=state.rounds_run + jnp.any(due), observations=observations,
+        rounds_run=state.rounds_run + jnp.any(due), observations=observations, **teacher,
     )
     return sharding.constrain(state, spec.config, spec.mesh)
 

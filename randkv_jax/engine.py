@@ -69,6 +69,8 @@ class Completion:
     text: str | None  # None when the model has no tokenizer
     stats: RowStats
     slot: int | None  # the batch slot it ran in (None: cancelled before it started)
+    logprobs: list[float] | None = None  # teacher-forcing engines: log p of tokens[1:] (float32)
+    greedy: list[bool] | None = None  # teacher-forcing engines: tokens[1:] were each the model's argmax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +117,9 @@ class _Request:
     first: Any = None  # the first token (a device scalar until read)
     tokens: list[int] = dataclasses.field(default_factory=list)
     cancelled: bool = False
+    forced: np.ndarray | None = None  # [forced] int32, -1 padded (teacher-forcing engines)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    greedy: list[bool] = dataclasses.field(default_factory=list)
 
 
 def encode_prompt(model: Model, prompt: str | Sequence[int], chat: bool, **template_kwargs) -> list[int]:
@@ -153,6 +158,8 @@ class Engine:
       temperature, top_p, top_k: sampling, the same for every request (temperature 0 = greedy).
       chunk: decode steps per device call (default 64), rounded up to a multiple of the policy's
         interval.
+      forced_tokens: the most tokens a request may force (`submit(forced=...)`; 0: none). Such an
+        engine also reports each produced token's log-probability and whether it was the argmax.
       mesh: run on several devices (`randkv_jax.sharding.parse_mesh("data=D,model=M")`): slots
         split over `data` (a multiple of it), KV heads and parameters over `model`. The model's
         parameters are placed on the mesh if they are not already.
@@ -171,6 +178,7 @@ class Engine:
         top_p: float = 1.0,
         top_k: int = 0,
         chunk: int = DEFAULT_CHUNK,
+        forced_tokens: int = 0,
         mesh: Mesh | None = None,
     ):
         from randkv_jax import policies
@@ -197,7 +205,8 @@ class Engine:
         self.interval = policy.interval
         self.spec = DecodeSpec(
             config=model.config, dtype=model.dtype, policy=policy, sampling=SamplingParams(temperature, top_p, top_k),
-            chunk=-(-chunk // self.interval) * self.interval, platform=platform_of(model.params), mesh=mesh,
+            chunk=-(-chunk // self.interval) * self.interval, platform=platform_of(model.params),
+            forced=forced_tokens, mesh=mesh,
         )
         self._eos = set(model.config.eos_token_ids) | (set(model.tokenizer.eos_token_ids) if model.tokenizer else set())
         self._queue: collections.deque[_Request] = collections.deque()
@@ -230,12 +239,15 @@ class Engine:
         stop_tokens: Sequence[int] = (),
         ignore_eos: bool = False,
         chat: bool = True,
+        forced: Sequence[int] | None = None,
         **template_kwargs: Any,
     ) -> list[int]:
         """Queue `n` samples of one prompt (they share one prefill); returns their request ids.
 
         seed: one int (sample j uses seed + j) or one seed per sample. stop_tokens: extra stop ids
-        besides the model's EOS ids (which `ignore_eos` drops). A request that cannot run here
+        besides the model's EOS ids (which `ignore_eos` drops). forced: token ids the request
+        generates first, fed instead of sampled (teacher forcing; an engine built with
+        `forced_tokens` >= their count). A request that cannot run here
         (empty prompt, bad ids, too long for the slots' capacity, ...) raises ValueError and
         leaves the engine as it was.
         """
@@ -260,11 +272,21 @@ class Engine:
             raise ValueError(f"at most {MAX_STOP_IDS} stop tokens per request (EOS included), got {len(stops)}")
         stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
         stop_ids[: len(stops)] = stops
+        forced_ids = None
+        if forced is not None:
+            forced = [int(t) for t in forced]
+            if len(forced) > self.spec.forced:
+                raise ValueError(f"{len(forced)} forced tokens, this engine takes at most {self.spec.forced} "
+                                 "(Engine(forced_tokens=...))")
+            if forced and not 0 <= min(forced) <= max(forced) < self.model.config.vocab_size:
+                raise ValueError(f"forced token ids must lie in [0, {self.model.config.vocab_size})")
+            forced_ids = np.full((self.spec.forced,), -1, np.int32)
+            forced_ids[: len(forced)] = forced
         shared = _Prompt(ids, pending=n)
         now = time.perf_counter()
         out = []
         for s in seeds:
-            self._queue.append(_Request(self._next_id, shared, max_new, s, stop_ids, now))
+            self._queue.append(_Request(self._next_id, shared, max_new, s, stop_ids, now, forced=forced_ids))
             out.append(self._next_id)
             self._next_id += 1
         return out
@@ -293,6 +315,11 @@ class Engine:
     def running(self) -> int:
         return len(self._running)
 
+    @property
+    def running_slots(self) -> list[int]:
+        """The slots holding a running request."""
+        return sorted(self._running)
+
     # ------------------------------------------------------------------ the loop
 
     def run(self, progress: Callable[[Progress], None] | None = None) -> Iterator[Completion]:
@@ -320,7 +347,9 @@ class Engine:
             return finished
         start = time.perf_counter()
         self.state = decode.decode_chunk(self.model.params, self.state, jnp.int32(self.spec.chunk), spec=self.spec)
-        emitted, active, n_new = jax.device_get((self.state.emitted, self.state.active, self.state.n_new))
+        emitted, active, n_new, logprobs, greedy = jax.device_get((
+            self.state.emitted, self.state.active, self.state.n_new, self.state.emitted_logprob,
+            self.state.emitted_greedy))
         self.decode_seconds += time.perf_counter() - start
         steps = int((emitted >= 0).any(axis=0).sum())
         self.steps += steps
@@ -329,8 +358,12 @@ class Engine:
             if request.first is not None:
                 request.tokens.append(int(request.first))
                 request.first = None
-            new = emitted[slot][emitted[slot] >= 0].tolist()
+            produced = emitted[slot] >= 0
+            new = emitted[slot][produced].tolist()
             request.tokens.extend(new)
+            if logprobs is not None:
+                request.logprobs.extend(logprobs[slot][produced].tolist())
+                request.greedy.extend(greedy[slot][produced].tolist())
             self.decode_tokens += len(new)
             assert len(request.tokens) == int(n_new[slot])
             if not active[slot]:
@@ -353,7 +386,8 @@ class Engine:
                 self.prefills += 1
             self.state, request.first = decode.insert(
                 self.state, shared.prefilled, jnp.int32(0), jnp.int32(slot), jnp.int32(request.seed),
-                jnp.int32(request.max_new), jnp.asarray(request.stop_ids), spec=self.spec,
+                jnp.int32(request.max_new), jnp.asarray(request.stop_ids),
+                None if request.forced is None else jnp.asarray(request.forced), spec=self.spec,
             )
             request.first = request.first.block_until_ready()
             request.first_token_at = time.perf_counter()
@@ -394,4 +428,5 @@ class Engine:
             first_token_seconds=(request.first_token_at - request.submitted) if request.first_token_at else 0.0,
         )
         text = None if self.model.tokenizer is None else self.model.tokenizer.decode(request.tokens)
-        return Completion(request.id, list(request.tokens), text, stats, slot)
+        teacher = {} if not self.spec.forced else dict(logprobs=list(request.logprobs), greedy=list(request.greedy))
+        return Completion(request.id, list(request.tokens), text, stats, slot, **teacher)

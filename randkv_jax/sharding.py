@@ -52,6 +52,9 @@ FIELD_AXES: dict[str, tuple[str | None, ...]] = {
     "held_after_round": ("batch",),
     "row_seeds": ("batch",),
     "rounds_run": (),
+    "forced": ("batch", None),
+    "emitted_logprob": ("batch", None),
+    "emitted_greedy": ("batch", None),
 }
 """Logical axes of every loop-state array, by field name (the names are unique across
 `KVBuffer`, `Observations` and `LoopState`)."""
