@@ -18,12 +18,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-
 from randkv_jax.models.checkpoint import is_converted, load_converted, save_converted
 from randkv_jax.models.config import read_hf_config
 from randkv_jax.models.gguf import GGUFImport, default_gguf_path, read_gguf
 from randkv_jax.models.hf import CheckpointError, load_safetensors_params, refuse_pickle
-from randkv_jax.models.model import Model, resolve_dtype
+from randkv_jax.models.model import Model, default_dtype, resolve_dtype
 from randkv_jax.models.sharding import param_shardings
 from randkv_jax.models.tokenizer import Tokenizer
 
@@ -35,14 +34,18 @@ def cache_dir() -> Path:
     return Path(os.environ.get("RANDKV_CACHE", Path.home() / ".cache" / "randkv_jax"))
 
 
-def load_model(path: str | Path | None = None, *, dtype: str = "bfloat16", mesh: Any = None) -> Model:
+def load_model(path: str | Path | None = None, *, dtype: str | None = None, mesh: Any = None) -> Model:
     """Load a decoder and its tokenizer (None when the checkpoint has none).
 
     Args:
       path: see the module docstring; None loads the embedded default model.
-      dtype: "float32" or "bfloat16": parameters and computation.
+      dtype: "float32" or "bfloat16": parameters and computation. None: the backend's default
+        (`default_dtype`: bfloat16 on GPU/TPU, float32 on CPU, where bfloat16 decodes slower).
       mesh: a `jax.sharding.Mesh` with a `model` axis to shard parameters over (tensor parallel).
     """
+    if dtype is None:
+        platform = None if mesh is None else mesh.devices.flat[0].platform
+        dtype = default_dtype(platform)
     jdtype = resolve_dtype(dtype)
     shardings_for = None if mesh is None else (lambda config: param_shardings(config, mesh))
     path = default_model_dir() if path is None else Path(path)

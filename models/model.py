@@ -9,15 +9,26 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
-
 from randkv_jax.models.config import ModelConfig
 from randkv_jax.models.decoder import Decoder, DenseInputs
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def resolve_dtype(dtype: str | Any) -> Any:
-    """'float32' | 'bfloat16' (or the jnp dtype itself) -> jnp dtype; anything else is refused."""
+def default_dtype(platform: str | None = None) -> str:
+    """The dtype used when none is asked for: "bfloat16" on GPU and TPU, "float32" on CPU.
+
+    On CPU, XLA's bfloat16 decode step measured 5-10x slower than float32 (SmolLM2-135M, batch
+    8; `docs/benchmarks.md`), although it reads half the bytes. `platform` defaults to JAX's
+    default backend."""
+    return "float32" if (platform or jax.default_backend()) == "cpu" else "bfloat16"
+
+
+def resolve_dtype(dtype: str | Any | None) -> Any:
+    """'float32' | 'bfloat16' (or the jnp dtype itself; None: `default_dtype()`) -> jnp dtype;
+    anything else is refused."""
+    if dtype is None:
+        dtype = default_dtype()
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")

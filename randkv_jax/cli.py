@@ -203,7 +203,7 @@ def _sweep(args: argparse.Namespace) -> None:
     models = {}
 
     def run_cell(cell, shared):
-        key = (cell.model, shared.get("dtype", "bfloat16"))
+        key = (cell.model, shared.get("dtype"))
         if key not in models:
             models.clear()  # one model in memory at a time
             models[key] = load_model(None if cell.model == "default" else cell.model, dtype=key[1])
@@ -246,6 +246,12 @@ def _plan(args: argparse.Namespace) -> None:
     if result.fits is False:
         raise ValueError(f"the plan needs {result.total / 2**30:.2f} GiB per device, more than the "
                          f"{memory / 2**30:.2f} GiB given: fewer rows per device, a smaller budget or a larger mesh")
+
+
+def _bench(args: argparse.Namespace) -> None:
+    from randkv_jax.eval import bench
+
+    bench.main(args)
 
 
 def _filler_texts(path: str) -> list[str]:
@@ -349,7 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    gen.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                     help="default: float32 on CPU, bfloat16 on GPU/TPU")
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     gen.add_argument("--enable-thinking", type=lambda v: v.lower() in ("1", "true", "yes"), default=None,
                      help="Qwen3 chat template switch (true/false)")
@@ -397,7 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--top-k", type=int, default=None)
     ev.add_argument("--slots", type=int, default=8, help="batch slots of the engine")
     ev.add_argument("--chunk", type=int, default=64, help="decode steps per device call")
-    ev.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ev.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                     help="default: float32 on CPU, bfloat16 on GPU/TPU")
     ev.add_argument("--enable-thinking", type=lambda v: v.lower() in ("1", "true", "yes"), default=None,
                     help="Qwen3 chat template switch (true/false)")
     ev.add_argument("--unsafe-code-execution", action="store_true",
@@ -452,6 +460,13 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", default=None, help="write the result (JSON) here")
     pr.add_argument("--plot", default=None, help="write a PNG plot here")
     pr.set_defaults(run=_probe)
+
+    be = sub.add_parser("bench", help="decode speed of every policy at one budget and of transformers, side by side "
+                        "(JSON, markdown, PNG)")
+    from randkv_jax.eval.bench import add_arguments as add_bench_arguments
+
+    add_bench_arguments(be)
+    be.set_defaults(run=_bench)
 
     sw = sub.add_parser("sweep", help="run a grid of evals from a TOML file, skipping finished runs")
     sw.add_argument("config", help="the sweep file (see randkv_jax.eval.sweep)")

@@ -33,9 +33,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
-
 from jax.sharding import Mesh
+from jaxtyping import Array, Bool, Float, Int
 
 from randkv_jax import buffer as kv_buffer
 from randkv_jax import observations as obs_lib
@@ -163,6 +162,9 @@ class DecodeSpec:
     split over `data`, its KV heads over `model`, eviction rounds per shard. None: one device."""
     forced: int = 0
     """Teacher forcing: the most tokens a request may force (0: none; `LoopState.forced`)."""
+    unstacked: bool = False
+    """`decode_chunk` takes `unstack_layers(params)` and runs the layers unrolled
+    (`Decoder.unstacked`); the engine sets it on CPU. `prefill` always takes the stacked tree."""
 
     def __post_init__(self):
         if self.platform not in PLATFORMS:
@@ -211,15 +213,13 @@ def _prefill_attend(q, k, v, inputs: PrefillInputs, cache: CacheState, layer):
 def _decode_attend(q, k, v, inputs: DecodeInputs, cache: CacheState, layer, *, slice_as_bits: bool):
     """Append this step's key/value at each row's slot `fill`, then attend over the filled blocks.
 
-    An inactive row's new slot stays empty (position -1): it holds exactly what it held before."""
+    The new slot's position is already written, for every layer at once (`_step`)."""
     buf = cache.buffer
     rows, slot = jnp.arange(k.shape[0]), buf.fill
-    new_positions = jnp.where(inputs.active, inputs.query_positions, -1)
     buf = dataclasses.replace(
         buf,
         keys=buf.keys.at[layer, rows, :, slot].set(k[:, 0].astype(buf.keys.dtype), mode="drop"),
         values=buf.values.at[layer, rows, :, slot].set(v[:, 0].astype(buf.values.dtype), mode="drop"),
-        positions=buf.positions.at[layer, rows, :, slot].set(new_positions[:, None], mode="drop"),
     )
     query_positions = inputs.query_positions[:, None]
     ctx = buffer_attention(
@@ -314,8 +314,14 @@ def _step(params, state: LoopState, index: Int[Array, ""], spec: DecodeSpec) -> 
     buffer, active = state.buffer, state.active
     inputs = DecodeInputs(query_positions=buffer.prompt_lens + buffer.generated, n_filled=jnp.max(buffer.fill) + 1,
                           active=active)
+    # the new slot's position in every layer, written once here rather than per layer: a
+    # per-layer write, independent of the layer's input, made XLA copy `positions` every layer.
+    # An inactive row's new slot stays empty (-1): it holds exactly what it held before.
+    new_positions = jnp.where(active, inputs.query_positions, -1)
+    buffer = dataclasses.replace(buffer, positions=buffer.positions.at[:, jnp.arange(active.shape[0]), :, buffer.fill]
+                                 .set(new_positions[:, None, None], mode="drop"))
     attend = functools.partial(_decode_attend, slice_as_bits=spec.platform == "cpu")
-    decoder = Decoder(spec.config, spec.dtype, spec.dtype, attend=attend)
+    decoder = Decoder(spec.config, spec.dtype, spec.dtype, attend=attend, unstacked=spec.unstacked)
     logits, cache = decoder.apply(
         {"params": params}, state.last[:, None], inputs.query_positions[:, None], inputs,
         CacheState(buffer, state.observations),
@@ -323,14 +329,6 @@ def _step(params, state: LoopState, index: Int[Array, ""], spec: DecodeSpec) -> 
     step = active.astype(jnp.int32)
     buffer = dataclasses.replace(cache.buffer, fill=buffer.fill + step, generated=buffer.generated + step)
     peak_slots = jnp.where(active, jnp.maximum(state.peak_slots, buffer.fill), state.peak_slots)
-    with jax.named_scope("eviction"):
-        due = spec.policy.due(buffer)  # inactive rows are frozen between rounds: never due
-        buffer, observations = jax.lax.cond(
-            jnp.any(due),
-            functools.partial(_evict, spec),
-            lambda buf, obs, seeds: (buf, obs),
-            buffer, cache.observations, state.row_seeds,
-        )
     token = sample_tokens(logits[:, 0], _row_keys(state.row_seeds), buffer.generated, spec.sampling)
     teacher = {}
     if spec.forced:  # the next token is forced[n_new] while the row has forced tokens left
@@ -347,10 +345,23 @@ def _step(params, state: LoopState, index: Int[Array, ""], spec: DecodeSpec) -> 
     stopped = jnp.any(token[:, None] == state.stop_ids, axis=-1) | (n_new >= state.max_new)
     state = dataclasses.replace(
         state, buffer=buffer, last=jnp.where(active, token, state.last), active=active & ~stopped, n_new=n_new,
-        emitted=state.emitted.at[:, index].set(jnp.where(active, token, -1)),
-        evictions=state.evictions + due, peak_slots=peak_slots,
-        held_after_round=jnp.where(due, buffer.fill, state.held_after_round),
-        rounds_run=state.rounds_run + jnp.any(due), observations=observations, **teacher,
+        emitted=state.emitted.at[:, index].set(jnp.where(active, token, -1)), peak_slots=peak_slots,
+        observations=cache.observations, **teacher,
+    )
+    return sharding.constrain(state, spec.config, spec.mesh)
+
+
+def _round(state: LoopState, spec: DecodeSpec) -> LoopState:
+    """The eviction round of every due row (inactive rows are frozen between rounds: never due)."""
+    with jax.named_scope("eviction"):
+        due = spec.policy.due(state.buffer)
+        buffer, observations = jax.lax.cond(
+            jnp.any(due), functools.partial(_evict, spec), lambda buf, obs, seeds: (buf, obs),
+            state.buffer, state.observations, state.row_seeds,
+        )
+    state = dataclasses.replace(
+        state, buffer=buffer, observations=observations, evictions=state.evictions + due,
+        held_after_round=jnp.where(due, buffer.fill, state.held_after_round), rounds_run=state.rounds_run + jnp.any(due),
     )
     return sharding.constrain(state, spec.config, spec.mesh)
 
@@ -374,15 +385,25 @@ def decode_chunk(params, state: LoopState, max_steps: Int[Array, ""], *, spec: D
     they produce are in `emitted` (reset at the start of the call)."""
     stop_at = jnp.minimum(max_steps, spec.chunk)
 
-    def cond(carry):
+    def running(carry):
         s, index = carry
         return jnp.any(s.active) & (index < stop_at)
 
-    def body(carry):
-        s, index = carry
-        return _step(params, s, index, spec), index + 1
+    def between_rounds(carry):  # at least one step, then steps until a row is due (or the chunk ends)
+        s, index, first = carry
+        return running((s, index)) & ((index == first) | ~jnp.any(spec.policy.due(s.buffer)))
+
+    def step(carry):
+        s, index, first = carry
+        return _step(params, s, index, spec), index + 1, first
+
+    def steps_then_round(carry):
+        # The round sits outside the inner loop: a `lax.cond` inside it, returning the buffer
+        # unchanged on most steps, made XLA copy the whole buffer every step.
+        s, index, _ = jax.lax.while_loop(between_rounds, step, (*carry, carry[1]))
+        return _round(s, spec), index
 
     state = sharding.constrain(dataclasses.replace(state, emitted=jnp.full_like(state.emitted, -1)),
                                spec.config, spec.mesh)
-    state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
+    state, _ = jax.lax.while_loop(running, steps_then_round, (state, jnp.int32(0)))
     return state

@@ -32,11 +32,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax.sharding import Mesh
 
 from randkv_jax import decode, sharding
-from randkv_jax.decode import MAX_STOP_IDS, DecodeSpec, Prefilled, padded_capacity, platform_of
+from randkv_jax.decode import (
+    MAX_STOP_IDS,
+    DecodeSpec,
+    Prefilled,
+    padded_capacity,
+    platform_of,
+)
+from randkv_jax.models.decoder import unstack_layers
 from randkv_jax.models.model import Model
 from randkv_jax.sampling import SamplingParams
 
@@ -206,8 +212,10 @@ class Engine:
         self.spec = DecodeSpec(
             config=model.config, dtype=model.dtype, policy=policy, sampling=SamplingParams(temperature, top_p, top_k),
             chunk=-(-chunk // self.interval) * self.interval, platform=platform_of(model.params),
-            forced=forced_tokens, mesh=mesh,
+            forced=forced_tokens, mesh=mesh, unstacked=mesh is None and platform_of(model.params) == "cpu",
         )
+        # the decode program's parameters: on CPU a per-layer copy (`DecodeSpec.unstacked`)
+        self._decode_params = unstack_layers(model.params) if self.spec.unstacked else model.params
         self._eos = set(model.config.eos_token_ids) | (set(model.tokenizer.eos_token_ids) if model.tokenizer else set())
         self._queue: collections.deque[_Request] = collections.deque()
         self._running: dict[int, _Request] = {}  # slot -> request
@@ -223,7 +231,7 @@ class Engine:
         state = decode.empty_state(self.spec, slots, capacity)
         if mesh is not None:
             state = jax.device_put(state, sharding.state_shardings(state, model.config, mesh))
-        self.state = decode.decode_chunk(model.params, state, jnp.int32(0), spec=self.spec)
+        self.state = decode.decode_chunk(self._decode_params, state, jnp.int32(0), spec=self.spec)
         jax.block_until_ready(self.state)
         self.compile_seconds = time.perf_counter() - start
 
@@ -346,7 +354,7 @@ class Engine:
         if not self._running:
             return finished
         start = time.perf_counter()
-        self.state = decode.decode_chunk(self.model.params, self.state, jnp.int32(self.spec.chunk), spec=self.spec)
+        self.state = decode.decode_chunk(self._decode_params, self.state, jnp.int32(self.spec.chunk), spec=self.spec)
         emitted, active, n_new, logprobs, greedy = jax.device_get((
             self.state.emitted, self.state.active, self.state.n_new, self.state.emitted_logprob,
             self.state.emitted_greedy))

@@ -63,3 +63,12 @@ def test_convert_refuses_a_non_empty_output(converted, capsys):
     src, out = converted
     assert main(["convert", str(src), "--out", str(out)]) == 2
     assert "not empty" in capsys.readouterr().err
+
+
+def test_default_dtype_follows_the_backend(converted):
+    from randkv_jax.models.model import default_dtype
+
+    assert (default_dtype("cpu"), default_dtype("gpu"), default_dtype("tpu")) == ("float32", "bfloat16", "bfloat16")
+    _, out = converted
+    model = randkv_jax.load_model(out)  # this suite runs on CPU
+    assert {x.dtype for x in jax.tree.leaves(model.params)} == {np.dtype(np.float32)}

@@ -200,3 +200,19 @@ def test_chunks_are_whole_intervals(tiny_model):
     assert Engine(tiny_model, policy=RandomAttention(budget=24, buffer=8), slots=1, capacity=CAPACITY,
                   chunk=12).spec.chunk == 16
     assert Engine(tiny_model, policy=FullAttention(), slots=1, capacity=CAPACITY, chunk=12).spec.chunk == 12
+
+
+@pytest.mark.parametrize("name", ["random", "snapkv"])
+def test_unstacked_layers_decode_what_scanned_layers_do(tiny_model, name):
+    # On CPU the decode program runs the layers unrolled over per-layer parameter copies
+    # (`DecodeSpec.unstacked`); the scanned program over the stacked tree must emit the same tokens.
+    unstacked, scanned = (_engine(tiny_model, POLICIES[name], temperature=1.0) for _ in range(2))
+    assert unstacked.spec.unstacked
+    scanned.spec = dataclasses.replace(scanned.spec, unstacked=False)
+    scanned._decode_params = tiny_model.params
+    tokens = []
+    for engine in (unstacked, scanned):
+        ids = _submit_all(engine, range(len(PROMPTS)))
+        tokens.append({ids[c.request_id]: c.tokens for c in engine.run()})
+    assert tokens[0] == tokens[1]
+    assert sum(len(t) for t in tokens[0].values()) == sum(n for _, n in SHAPES)

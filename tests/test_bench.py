@@ -1,0 +1,79 @@
+"""`randkv bench`: its accounting against hand-computed values, and one end-to-end run on a tiny
+random-weight config (every arm; figures are not asserted, only their structure and invariants)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import jax
+import numpy as np
+import pytest
+
+from randkv_jax import policies
+from randkv_jax.cli import main
+from randkv_jax.eval import bench
+from tests.hf_tiny import save_tiny
+
+
+def test_mean_fill_follows_the_loop_schedule():
+    # P=8, T=24, w=i=8, 40 generated (39 decode steps): the fill after each step's append is
+    # 9..32 for steps 1-24 (the round after step 24 leaves 24), 25..32 for steps 25-32, 25..31 after.
+    policy = policies.RandomAttention(budget=24, window=8)
+    expected = (sum(range(9, 33)) + sum(range(25, 33)) + sum(range(25, 32))) / 39
+    assert bench.mean_fill(policy, 8, 40) == pytest.approx(expected)
+    assert bench.mean_fill(policies.FullAttention(), 8, 40) == pytest.approx(np.mean(np.arange(9, 48)))
+
+
+def test_read_bandwidth_is_a_positive_rate():
+    assert bench.read_bandwidth(gib=1 / 64, repeats=2) > 1e8  # more than 0.1 GB/s on any machine
+
+
+def test_weight_bytes_count_an_untied_embedding_once(tmp_path):
+    for name in ("llama", "qwen3_untied"):  # tied, untied
+        save_tiny(name, tmp_path / name)
+        model, _ = bench.bench_model(str(tmp_path / name), None, "float32")
+        total = sum(x.nbytes for x in jax.tree.leaves(model.params))
+        embed = model.params["embed"]["embedding"].nbytes
+        assert bench.weight_bytes_per_step(model) == (total if model.config.tie_word_embeddings else total - embed)
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny")
+    save_tiny("llama", directory)
+    return directory / "config.json"
+
+
+def test_bench_end_to_end_on_random_weights(tiny_config, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(["bench", "--config", str(tiny_config), "--dtype", "float32", "--batch", "2", "--prompt", "8",
+                 "--gen", "40", "--budget", "24", "--window", "8", "--interval", "8", "--repeats", "3",
+                 "--hf-gen", "8", "--requests", "3", "--serving-max-len", "24", "--out", str(out), "--json", "--quiet"])
+    assert code == 0
+    printed = json.loads(capsys.readouterr().out)
+    stored = json.loads((out / "bench.json").read_text())
+    assert printed == stored
+    assert (out / "bench.md").read_text().startswith("config.json (random weights)")
+    assert (out / "bench.png").stat().st_size > 0
+    for key in ("random_vs_full", "random_vs_triattention", "random_vs_best_scorer", "eviction_overhead", "jax_vs_hf"):
+        assert stored[key] > 0, key
+    runs = stored["policies"]
+    assert list(runs) == ["full", "random", "snapkv", "rkv", "vase", "triattention"]
+    evicting = [r for name, r in runs.items() if name != "full"]
+    # budget parity: every eviction policy runs the same rounds and holds the same entries
+    assert len({(r["rounds"], r["kv_bytes_held"], r["kv_bytes_allocated"]) for r in evicting}) == 1
+    assert evicting[0]["rounds"] == 2  # 39 decode steps: rounds after generated 24 and 32 (see mean_fill's test)
+    assert all(len(r["repeats"]) == 3 and r["ms_per_round"] > 0 for r in evicting)
+    assert runs["full"]["kv_bytes_held"] > evicting[0]["kv_bytes_held"]
+    assert stored["hf"]["tokens_equal_full"] is True
+    assert stored["references"]["full_at_random_fill"]["mean_fill"] == pytest.approx(runs["random"]["mean_fill"], abs=1)
+    assert {r["policy"] for r in stored["equal_memory"]["runs"]} == {"full", "random", "triattention"}
+    assert all(r["useful_tokens"] > 0 for r in stored["serving"])
+
+
+def test_bench_refuses_an_unknown_config(capsys):
+    assert main(["bench", "--config", "no-such-model", "--quiet"]) == 2
+    assert "no config 'no-such-model'" in capsys.readouterr().err

@@ -1,0 +1,101 @@
+"""`randkv_jax.eval.hf_baseline`: our parameters back into transformers, and its timed generate."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import numpy as np
+import pytest
+import torch
+from randkv_jax.eval.hf_baseline import (
+    HFRun,
+    hf_decode_tokens_per_second,
+    hf_generate,
+    set_threads,
+    to_transformers,
+)
+from randkv_jax.models.loading import load_model
+
+from randkv_jax.generate import generate
+from randkv_jax.policies import FullAttention
+from tests.hf_tiny import TINY, save_tiny
+
+GENERATE = ("llama", "qwen3_untied", "phi3_longrope")  # one per architecture
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """tiny(name) -> (the original HF model, our float32 model loaded from its checkpoint), cached."""
+    built = {}
+
+    def get(name):
+        if name not in built:
+            directory = tmp_path_factory.mktemp(name)
+            hf_model = save_tiny(name, directory)
+            built[name] = hf_model, load_model(directory, dtype="float32")
+        return built[name]
+
+    return get
+
+
+def _prompts(vocab: int, n: int = 2, length: int = 12) -> list[list[int]]:
+    return np.random.default_rng(7).integers(3, vocab, size=(n, length)).tolist()
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_state_dict_round_trips_exactly(tiny, name):
+    reference, model = tiny(name)
+    hf = to_transformers(model)
+    ours, theirs = hf.state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys(), name
+    for key, value in theirs.items():
+        assert ours[key].dtype == torch.float32 and torch.equal(ours[key], value), f"{name}: {key}"
+    assert type(hf) is type(reference) and not hf.training
+    assert hf.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("name", GENERATE)
+def test_greedy_tokens_match_ours(tiny, name, cache):
+    _, model = tiny(name)
+    prompts = _prompts(model.config.vocab_size)
+    ours = generate(model, prompts, policy=FullAttention(), max_new_tokens=NEW_TOKENS, ignore_eos=True, chat=False)
+    # Make the first token ours generates transformers' EOS: generation must run on past it.
+    eos_first = dataclasses.replace(model.config, eos_token_ids=(ours.tokens[0][0],))
+    hf = to_transformers(dataclasses.replace(model, config=eos_first))
+    run = hf_generate(hf, prompts, NEW_TOKENS, cache=cache)
+    assert isinstance(run, HFRun) and run.seconds > 0
+    assert run.tokens == ours.tokens, f"{name} cache={cache}"
+
+
+def test_decode_tokens_per_second(tiny):
+    _, model = tiny("llama")
+    set_threads(1)
+    try:
+        prompts = _prompts(model.config.vocab_size)
+        rate, tokens = hf_decode_tokens_per_second(to_transformers(model), prompts, 4, cache="dynamic", repeats=1)
+    finally:
+        set_threads()
+    assert rate > 0 and len(tokens) == 2 and all(len(row) == 4 for row in tokens)
+
+
+def test_unconsumed_and_missing_parameters_raise(tiny):
+    _, model = tiny("qwen3_untied")
+    extra = dict(model.params, stray=np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="stray not consumed"):
+        to_transformers(dataclasses.replace(model, params=extra))
+    missing = {k: v for k, v in model.params.items() if k != "final_norm"}
+    with pytest.raises(ValueError, match="final_norm/scale is missing: transformers' model.norm.weight"):
+        to_transformers(dataclasses.replace(model, params=missing))
+
+
+def test_generate_refuses_bad_batches(tiny):
+    reference, _ = tiny("llama")
+    with pytest.raises(ValueError, match="one length"):
+        hf_generate(reference, [[5, 6, 7], [5, 6]], 2, cache="dynamic")
+    with pytest.raises(ValueError, match="cache must be one of"):
+        hf_generate(reference, [[5, 6, 7]], 2, cache="offloaded")
