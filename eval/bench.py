@@ -295,7 +295,7 @@ def hf_arm(model: Model, prompts: list[list[int]], gen: int, repeats: int, full_
     tokens = out.pop("tokens")
     agree = [_common_prefix(a, b[:gen]) for a, b in zip(tokens, full_tokens)]
     out["tokens_equal_full"] = all(n == gen for n in agree)
-    out["first_divergence"] = min(agree)  # leading tokens equal to FullAttention's, worst row
+    out["equal_prefix"] = min(agree)  # leading tokens equal to FullAttention's, worst row
     return out
 
 
@@ -423,7 +423,7 @@ def run(args: argparse.Namespace) -> dict:
             result["random_vs_hf"] = rate("random") / hf["tokens_per_second"]
         log(f"  transformers {hf['tokens_per_second']:.1f} tok/s (gen {hf_gen}); jax full "
             f"{full.tokens_per_second:.1f}; tokens equal: {hf['tokens_equal_full']} "
-            f"(first divergence {hf['first_divergence']})")
+            f"({hf['equal_prefix']} of {hf_gen} leading tokens, worst row)")
     elif args.hf:
         log("  no transformers arm (transformers not installed, or no full policy)")
     if not args.no_memory:
@@ -470,7 +470,7 @@ def markdown(result: dict) -> str:
         lines.append(f"- transformers ({hf['threads']} threads, gen {hf['gen']}): dynamic "
                      f"{hf['dynamic_tokens_per_second']:.1f}, static {hf['static_tokens_per_second']:.1f} tok/s; "
                      f"greedy tokens equal to FullAttention's: {hf['tokens_equal_full']} "
-                     f"(first divergence at {hf['first_divergence']})")
+                     f"({hf['equal_prefix']} of {hf['gen']} leading tokens, worst row)")
     if "equal_memory" in result:
         em = result["equal_memory"]
         lines.append(f"- equal memory ({em['memory_bytes'] / 2**20:.0f} MiB of KV, gen {em['gen']}): " + ", ".join(

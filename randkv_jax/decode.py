@@ -9,11 +9,13 @@
 
 Each decode step feeds every active row's last token at its true position (`prompt_lens +
 generated`), appends its key/value at slot `fill` of every layer, attends over the filled blocks
-of the buffer, then runs an eviction round (`lax.cond`, only when some row is due: its own
-generated count a multiple of the policy's interval and more than its budget held): the policy's
-keep-mask, then `buffer.compact`; and samples the next token with the row's key folded with its
-own count. Rows that are not active (finished, cancelled, empty) are frozen: nothing they hold
-changes and nothing they compute is kept. Nothing in the step depends on Python values that
+of the buffer and samples the next token with the row's key folded with its own count; after a
+step at which some row is due (its own generated count a multiple of the policy's interval and
+more than its budget held) an eviction round runs: the policy's keep-mask, then
+`buffer.compact`. The loop is two nested `while_loop`s, steps until some row is due, then its
+round, so the buffer is carried in place through the steps without one. Rows that are not active
+(finished, cancelled, empty) are frozen: nothing they hold changes and nothing they compute is
+kept. Nothing in the step depends on Python values that
 change per token, so a (slots, capacity, policy) shape compiles once.
 
 Teacher forcing (`DecodeSpec.forced` > 0, for the probes): a request's first tokens are fed
