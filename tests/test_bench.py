@@ -68,6 +68,11 @@ def test_bench_end_to_end_on_random_weights(tiny_config, tmp_path, capsys):
     assert evicting[0]["rounds"] == 2  # 39 decode steps: rounds after generated 24 and 32 (see mean_fill's test)
     assert all(len(r["repeats"]) == 3 and r["ms_per_round"] > 0 for r in evicting)
     assert runs["full"]["kv_bytes_held"] > evicting[0]["kv_bytes_held"]
+    slot = 2 * 2 * 2 * 16 * 4  # keys and values x layers x KV heads x head dim x float32 bytes (tiny llama)
+    for r in runs.values():  # parameters + the mean KV entries of both rows
+        assert r["bytes_per_step"] == pytest.approx(stored["weight_bytes_per_step"] + r["mean_fill"] * slot * 2)
+    assert stored["random_vs_full_bytes_bound"] == pytest.approx(
+        runs["full"]["bytes_per_step"] / runs["random"]["bytes_per_step"])
     assert stored["hf"]["tokens_equal_full"] is True
     assert stored["references"]["full_at_random_fill"]["mean_fill"] == pytest.approx(runs["random"]["mean_fill"], abs=1)
     assert {r["policy"] for r in stored["equal_memory"]["runs"]} == {"full", "random", "triattention"}
