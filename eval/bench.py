@@ -468,8 +468,8 @@ def markdown(result: dict) -> str:
             f"{r['achieved_bytes_per_second'] / 1e9:.1f} | {100 * r['bandwidth_fraction']:.0f}% | "
             f"{r['compile_seconds']:.1f} |")
     lines.append("")
-    for key in ("random_vs_full", "random_vs_full_bytes_bound", "random_vs_triattention", "random_vs_best_scorer", "eviction_overhead", "jax_vs_hf",
-                "random_vs_hf"):
+    for key in ("random_vs_full", "random_vs_full_bytes_bound", "random_vs_triattention", "random_vs_best_scorer",
+                "eviction_overhead", "jax_vs_hf", "random_vs_hf"):
         if result.get(key) is not None:
             lines.append(f"- `{key}`: {result[key]:.2f}")
     if "hf" in result:
