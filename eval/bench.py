@@ -224,6 +224,9 @@ class Arm:
     prompts: list[list[int]]
     gen: int
     capacity: int
+    runs_per_repeat: int = 1
+    """Timed runs per interleaving round: a short arm (the eviction-overhead reference) runs
+    several, so that its median is over as many steps' worth of noise as the long arms'."""
 
     def run(self, model: Model, gen: int | None = None, **kwargs):
         return generate(model, self.prompts, policy=self.policy, max_new_tokens=gen or self.gen, ignore_eos=True,
@@ -247,7 +250,8 @@ def measure(model: Model, arms: list[Arm], repeats: int, bandwidth: float, time_
     runs: dict[str, list] = {a.name: [] for a in arms}
     for r in range(repeats):
         for a in arms:
-            runs[a.name].append(a.run(model, return_state=r == 0))
+            for k in range(a.runs_per_repeat):
+                runs[a.name].append(a.run(model, return_state=r == k == 0))
     out = {}
     for a in arms:
         first, timed = runs[a.name][0], runs[a.name]
@@ -274,12 +278,15 @@ def measure(model: Model, arms: list[Arm], repeats: int, bandwidth: float, time_
     return out
 
 
-def full_at_fill(model: Model, fill: float, interval: int, batch: int, capacity: int) -> Arm:
+def full_at_fill(model: Model, fill: float, interval: int, batch: int, capacity: int, runs_per_repeat: int = 5
+                 ) -> Arm:
     """FullAttention holding `fill` entries per step on average, in a buffer of `capacity` slots:
-    prompt fill - i, then 2i decode steps (the eviction-overhead reference)."""
+    prompt fill - i, then 2i decode steps (the eviction-overhead reference), `runs_per_repeat`
+    timed runs per interleaving round (one run is short: its time alone is noisy)."""
     prompt = max(1, round(fill) - interval)
-    return arm("full_at_random_fill", policies.FullAttention(), prompts_of(model, batch, prompt, seed=1),
-               2 * interval + 1, capacity)
+    reference = arm("full_at_random_fill", policies.FullAttention(), prompts_of(model, batch, prompt, seed=1),
+                    2 * interval + 1, capacity)
+    return dataclasses.replace(reference, runs_per_repeat=runs_per_repeat)
 
 
 # ----------------------------------------------------------------------------------- other arms

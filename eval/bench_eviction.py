@@ -13,9 +13,10 @@ Part 1, one eviction round's keep mask on a buffer at the moment of a round (eve
 max(P, T) + i slots, all full: the min(P, K_sel - 1) pinned prompt entries, the window, older
 survivors), each jitted, then `iters` calls ended by `block_until_ready`, best of 3 rounds, ms per call:
   1. pallas:       `RandomAttention(backend="pallas").keep_mask` (interpret mode on CPU);
-  2. xla argsort:  `backend="xla"`, the shared `select_top` (stable argsort of -draw, twice);
+  2. xla argsort:  the shared `EvictionPolicy.keep_mask`'s `select_top` (stable argsort of -draw,
+                   twice; `random_keep_mask_reference(method="argsort")`);
   3. xla top_k:    `lax.top_k(draws, K_sel)` then a scatter (`random_keep_mask_reference(method="top_k")`);
-  4. xla bisect:   the kernel's threshold bisection run by XLA over [l, b, k, s];
+  4. xla bisect:   `backend="xla"`, the kernel's threshold bisection run by XLA over [l, b, k, s];
 plus, for scale, `buffer.compact` (the gather that follows every round; keys/values float32 of
 head_dim `--compact-head-dim`, 128 by default, 0 skips it). All four masks are checked equal, and
 to keep exactly T entries per head, before timing. Ratios are to (2).
@@ -76,9 +77,9 @@ def variants(budget: int, window: int, interval: int | None) -> dict[str, Random
     fields = dict(budget=budget, window=window, interval=interval, seed=1)
     return {
         "pallas": dataclasses.replace(base, backend="pallas"),
-        "xla argsort": dataclasses.replace(base, backend="xla"),
+        "xla argsort": XlaVariant(**fields, method="argsort"),
         "xla top_k": XlaVariant(**fields, method="top_k"),
-        "xla bisect": XlaVariant(**fields, method="bisect"),
+        "xla bisect": dataclasses.replace(base, backend="xla"),
     }
 
 

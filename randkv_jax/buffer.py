@@ -90,8 +90,7 @@ def compact(buffer: KVBuffer, keep: Bool[Array, "l b k s"]) -> tuple[KVBuffer, I
     applied (new slot j holds old slot `order[..., j]`), so per-slot state can follow it.
     """
     keep = keep & buffer.valid
-    order = jnp.argsort(~keep, axis=-1, stable=True)  # kept slots first, in their old order
-    kept = jnp.sum(keep, axis=-1, dtype=jnp.int32)  # [l, b, k]
+    order, kept = _stable_partition(keep)
     in_use = jnp.arange(buffer.capacity) < kept[..., None]
     positions = jnp.where(in_use, jnp.take_along_axis(buffer.positions, order, axis=-1), -1)
     gather = lambda x: jnp.take_along_axis(x, order[..., None], axis=-2)  # noqa: E731
@@ -102,6 +101,17 @@ def compact(buffer: KVBuffer, keep: Bool[Array, "l b k s"]) -> tuple[KVBuffer, I
         positions=positions,
         fill=kept[0, :, 0],
     ), order
+
+
+def _stable_partition(keep: Bool[Array, "... s"]) -> tuple[Int[Array, "... s"], Int[Array, "..."]]:
+    """The permutation putting the `keep` slots first and the others after, each in their old
+    order (`jnp.argsort(~keep, stable=True)`), and the kept count, by prefix sums and one scatter:
+    no sort (on 2 CPU cores, [30, 8, 3, 640]: 4 ms against 31 ms for the argsort)."""
+    kept = jnp.sum(keep, axis=-1, dtype=jnp.int32)
+    dest = jnp.where(keep, jnp.cumsum(keep, axis=-1, dtype=jnp.int32) - 1,
+                     kept[..., None] + jnp.cumsum(~keep, axis=-1, dtype=jnp.int32) - 1)  # where each slot goes
+    slots = jnp.broadcast_to(jnp.arange(keep.shape[-1], dtype=jnp.int32), keep.shape)
+    return jnp.put_along_axis(jnp.zeros_like(slots), dest, slots, axis=-1, inplace=False), kept
 
 
 def insert_row(buffer: KVBuffer, slot: Int[Array, ""], prompt: KVBuffer, row: Int[Array, ""]) -> KVBuffer:

@@ -24,6 +24,7 @@ from randkv_jax.buffer import KVBuffer
 from randkv_jax.decode import padded_capacity
 from randkv_jax.kernels.random_keep import PLATFORMS, random_keep_mask, random_keep_mask_reference
 from randkv_jax.policies import RandomAttention
+from randkv_jax.policies.base import EvictionPolicy
 from randkv_jax.rule import EvictionRule, parse_protect
 
 # a small pool of compiled cases (compiling one costs ~2-4 s here); hypothesis draws the data.
@@ -163,8 +164,9 @@ def test_kernel_equals_reference_bit_for_bit(case, data_seed):
         expected = (pinned | window).sum(-1) + np.minimum(n_select[None, :, None], eligible.sum(-1))
         np.testing.assert_array_equal(out.sum(-1), expected)
 
-    # the policy: backend="pallas" equals backend="xla" (`due` handling and per-row n_select included);
-    # (three cases only: each costs two more compilations)
+    # the policy: backend="pallas" equals backend="xla" (both bisections; `due` handling and per-row
+    # n_select included) and the shared `EvictionPolicy.keep_mask` (select_top's stable argsort of
+    # Random's scores); (three cases only: each costs three more compilations)
     if not check_policy:
         return
     buf, due = _policy_state(rng, shape, rule)
@@ -176,6 +178,8 @@ def test_kernel_equals_reference_bit_for_bit(case, data_seed):
     xla = np.asarray(_keep_mask(policy, buf, seeds))
     pallas = np.asarray(_keep_mask(dataclasses.replace(policy, backend="pallas"), buf, seeds))
     np.testing.assert_array_equal(pallas, xla)
+    shared = jax.jit(functools.partial(EvictionPolicy.keep_mask, policy, platform="cpu"))(buf, seeds)
+    np.testing.assert_array_equal(np.asarray(shared), xla)
     # due rows compact to exactly T per head, protected slots in; rows not due keep every valid entry
     pos = np.asarray(buf.positions)
     pinned, window, _ = _np_masks(rule, pos, np.asarray(buf.prompt_lens), np.asarray(buf.generated))
