@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from randkv_jax.models.bits import moved_as_bits
 from randkv_jax.models.config import ModelConfig
 
 
@@ -93,7 +94,7 @@ def compact(buffer: KVBuffer, keep: Bool[Array, "l b k s"]) -> tuple[KVBuffer, I
     order, kept = _stable_partition(keep)
     in_use = jnp.arange(buffer.capacity) < kept[..., None]
     positions = jnp.where(in_use, jnp.take_along_axis(buffer.positions, order, axis=-1), -1)
-    gather = lambda x: jnp.take_along_axis(x, order[..., None], axis=-2)  # noqa: E731
+    gather = lambda x: moved_as_bits(lambda a: jnp.take_along_axis(a, order[..., None], axis=-2), x)  # noqa: E731
     return dataclasses.replace(
         buffer,
         keys=gather(buffer.keys),
@@ -126,7 +127,8 @@ def insert_row(buffer: KVBuffer, slot: Int[Array, ""], prompt: KVBuffer, row: In
     if t > buffer.capacity:
         raise ValueError(f"a prefill of {t} slots does not fit a buffer of {buffer.capacity}")
     take = lambda x, axis=1: jax.lax.dynamic_slice_in_dim(x, row, 1, axis=axis)  # noqa: E731
-    put = lambda dest, x: jax.lax.dynamic_update_slice(dest, x.astype(dest.dtype), (0, slot) + (0,) * (dest.ndim - 2))  # noqa: E731
+    put = lambda dest, x: moved_as_bits(  # noqa: E731
+        lambda d, u: jax.lax.dynamic_update_slice(d, u, (0, slot) + (0,) * (d.ndim - 2)), dest, x)
     positions = jnp.full((*buffer.positions.shape[:1], 1, *buffer.positions.shape[2:]), -1, jnp.int32)
     positions = jax.lax.dynamic_update_slice(positions, take(prompt.positions), (0, 0, 0, 0))
     length = take(prompt.prompt_lens, 0)

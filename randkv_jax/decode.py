@@ -43,6 +43,7 @@ from randkv_jax import observations as obs_lib
 from randkv_jax import sharding
 from randkv_jax.attention import buffer_attention
 from randkv_jax.buffer import KVBuffer, compact
+from randkv_jax.models.bits import moved_as_bits
 from randkv_jax.models.config import ModelConfig
 from randkv_jax.models.decoder import Decoder, dense_attention
 from randkv_jax.observations import Observations, record_decode, record_prefill, reorder
@@ -199,9 +200,8 @@ def _prefill_attend(q, k, v, inputs: PrefillInputs, cache: CacheState, layer):
     ctx = dense_attention(q, k, v, inputs.mask)
     buf = cache.buffer
     t = k.shape[1]
-    write = lambda dest, x: jax.lax.dynamic_update_slice(  # noqa: E731
-        dest, x.transpose(0, 2, 1, 3)[None].astype(dest.dtype), (layer, 0, 0, 0, 0)
-    )
+    write = lambda dest, x: moved_as_bits(  # noqa: E731
+        lambda d, u: jax.lax.dynamic_update_slice(d, u.transpose(0, 2, 1, 3)[None], (layer, 0, 0, 0, 0)), dest, x)
     heads = buf.positions.shape[2]
     pos = jnp.broadcast_to(inputs.token_positions[:, None, :], (k.shape[0], heads, t))[None]
     buf = dataclasses.replace(
@@ -218,11 +218,9 @@ def _decode_attend(q, k, v, inputs: DecodeInputs, cache: CacheState, layer, *, s
     The new slot's position is already written, for every layer at once (`_step`)."""
     buf = cache.buffer
     rows, slot = jnp.arange(k.shape[0]), buf.fill
-    buf = dataclasses.replace(
-        buf,
-        keys=buf.keys.at[layer, rows, :, slot].set(k[:, 0].astype(buf.keys.dtype), mode="drop"),
-        values=buf.values.at[layer, rows, :, slot].set(v[:, 0].astype(buf.values.dtype), mode="drop"),
-    )
+    append = lambda dest, x: moved_as_bits(  # noqa: E731
+        lambda d, u: d.at[layer, rows, :, slot].set(u, mode="drop"), dest, x[:, 0])
+    buf = dataclasses.replace(buf, keys=append(buf.keys, k), values=append(buf.values, v))
     query_positions = inputs.query_positions[:, None]
     ctx = buffer_attention(
         q, buf.keys, buf.values, buf.positions, query_positions, inputs.n_filled,

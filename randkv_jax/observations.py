@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from randkv_jax.models.bits import moved_as_bits
 from randkv_jax.models.config import ModelConfig
 
 
@@ -83,7 +84,7 @@ def record_decode(obs: Observations | None, layer, generated, active, q, keys, p
     if queries is not None:
         rows = jnp.arange(q.shape[0])
         ring = generated % queries.shape[3]
-        queries = queries.at[layer, rows, :, ring].set(q[:, 0].astype(queries.dtype))
+        queries = moved_as_bits(lambda d, u: d.at[layer, rows, :, ring].set(u), queries, q[:, 0])
     if attention_sum is not None:
         probs = slot_attention(q, keys[layer], positions[layer], query_positions)[:, :, 0]
         attention_sum = attention_sum.at[layer].add(jnp.where(active[:, None, None], probs, 0.0))

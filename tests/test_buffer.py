@@ -1,12 +1,21 @@
 """`buffer.compact`: the kept slots of every (layer, row, head) moved to the front in their old
-order, checked against NumPy's stable argsort (the definition) on random masks with holes."""
+order, checked against NumPy's stable argsort (the definition) on random masks with holes; and
+the bfloat16 decode program moving the buffer's data as bits (`models.bits.moved_as_bits`)."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from randkv_jax.buffer import KVBuffer, compact
+from randkv_jax.decode import DecodeSpec, decode_chunk, empty_state
+from randkv_jax.models.decoder import unstack_layers
+from randkv_jax.policies import RandomAttention
+from randkv_jax.sampling import SamplingParams
 
 
 def test_compact_equals_a_stable_argsort_of_the_keep_mask():
@@ -38,3 +47,27 @@ def test_compact_equals_a_stable_argsort_of_the_keep_mask():
     for name, x in (("keys", keys), ("values", values)):
         np.testing.assert_array_equal(np.asarray(getattr(out, name)),
                                       np.take_along_axis(x, want_order[..., None], axis=-2), err_msg=name)
+
+
+@pytest.mark.parametrize("unstacked", [True, False], ids=["unstacked", "scanned"])
+def test_bfloat16_decode_program_never_widens_the_buffer(tiny_model, unstacked):
+    """The compiled bfloat16 decode loop under Random Attention (appends, rounds, compaction) holds
+    no float32 array of the KV buffer's shape: XLA:CPU converted the whole buffer to float32 and
+    back around every 16-bit scatter and gather (`models.bits.moved_as_bits`); nor of a layer's
+    weights (`decoder.project`). (A scoring policy's
+    round legitimately scores the keys in float32, once a round.)"""
+    model = dataclasses.replace(tiny_model, params=jax.tree.map(lambda x: x.astype(jnp.bfloat16), tiny_model.params),
+                                dtype=jnp.bfloat16)
+    policy = RandomAttention(budget=24, window=8)
+    spec = DecodeSpec(model.config, jnp.bfloat16, policy, SamplingParams(), 8, "cpu", unstacked=unstacked)
+    state = empty_state(spec, 2, 64)
+    params = unstack_layers(model.params) if unstacked else model.params
+    hlo = decode_chunk.lower(params, state, jnp.int32(8), spec=spec).compile().as_text()
+    dims = ",".join(map(str, state.buffer.keys.shape))
+    assert state.buffer.keys.dtype == jnp.bfloat16 and f"bf16[{dims}]" in hlo  # the check looks at the buffer
+    assert f"f32[{dims}]" not in hlo, f"a float32 copy of the bf16 [{dims}] buffer in the decode program"
+    # nor of any layer weight: XLA:CPU converted both operands of a bf16 dot (`decoder.project`)
+    for weight in jax.tree.leaves(params):
+        if weight.ndim >= 2 + (not unstacked):
+            dims = ",".join(map(str, weight.shape[not unstacked:]))
+            assert f"f32[{dims}]" not in hlo, f"a float32 copy of a bf16 [{dims}] weight in the decode program"
