@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
 
-def moved_as_bits(op, x: Array, *updates: Array) -> Array:
+def moved_as_bits(op: Callable[..., Array], x: Array, *updates: Array) -> Array:
     """`op(x, *updates)` for an op that only moves data (scatter, gather, update-slice); with a
     16-bit float `x` it runs on the bits (uint16, `updates` cast to `x.dtype` first).
 
