@@ -18,7 +18,8 @@ from randkv_jax.policies import RandomAttention
 from randkv_jax.sampling import SamplingParams
 
 
-def test_compact_equals_a_stable_argsort_of_the_keep_mask():
+@pytest.mark.parametrize("block", [128, 8, 1], ids=["one-block", "blocks-last-clamped", "slot-by-slot"])
+def test_compact_equals_a_stable_argsort_of_the_keep_mask(block):
     rng = np.random.default_rng(0)
     l, b, k, s, d = 2, 3, 4, 37, 5
     positions = np.where(rng.random((l, b, k, s)) < 0.8, rng.permutation(l * b * k * s).reshape(l, b, k, s), -1)
@@ -34,7 +35,7 @@ def test_compact_equals_a_stable_argsort_of_the_keep_mask():
                    prompt_lens=jnp.zeros((b,), jnp.int32), fill=jnp.full((b,), s, jnp.int32),
                    generated=jnp.zeros((b,), jnp.int32))
 
-    out, order = compact(buf, jnp.asarray(keep))
+    out, order = jax.jit(compact, static_argnames="block")(buf, jnp.asarray(keep), block=block)
 
     kept = keep & (positions >= 0)
     want_order = np.argsort(~kept, axis=-1, kind="stable")
@@ -44,9 +45,24 @@ def test_compact_equals_a_stable_argsort_of_the_keep_mask():
     in_use = np.arange(s) < n[..., None]
     gathered = np.take_along_axis(positions, want_order, axis=-1)
     np.testing.assert_array_equal(np.asarray(out.positions), np.where(in_use, gathered, -1))
-    for name, x in (("keys", keys), ("values", values)):
-        np.testing.assert_array_equal(np.asarray(getattr(out, name)),
-                                      np.take_along_axis(x, want_order[..., None], axis=-2), err_msg=name)
+    for name, x in (("keys", keys), ("values", values)):  # the freed slots' contents are unspecified
+        got = np.where(in_use[..., None], np.asarray(getattr(out, name)), 0)
+        want = np.where(in_use[..., None], np.take_along_axis(x, want_order[..., None], axis=-2), 0)
+        np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+def test_compaction_in_the_decode_program_moves_the_buffer_in_place(tiny_model):
+    """The decode loop's round compacts keys and values within the loop's own buffer: no float32
+    array of the buffer's shape is copied (a whole-array gather wrote a new buffer and XLA copied
+    it back into the loop's, every round)."""
+    spec = DecodeSpec(tiny_model.config, jnp.float32, RandomAttention(budget=24, window=8), SamplingParams(), 8,
+                      "cpu", unstacked=True)
+    state = empty_state(spec, 2, 384)  # three blocks of 128 (one block would be the whole buffer)
+    hlo = decode_chunk.lower(unstack_layers(tiny_model.params), state, jnp.int32(8), spec=spec).compile().as_text()
+    dims = ",".join(map(str, state.buffer.keys.shape))
+    assert f"f32[{dims}]" in hlo
+    copies = [line for line in hlo.splitlines() if f"f32[{dims}]" in line.split("copy(")[0] and " copy(" in line]
+    assert not copies, copies
 
 
 @pytest.mark.parametrize("unstacked", [True, False], ids=["unstacked", "scanned"])
