@@ -48,6 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -187,7 +188,7 @@ def _median_of(runs, key):
 
 def time_round(model: Model, policy, state: decode.LoopState, repeats: int = 5) -> float:
     """Median ms of one eviction round alone (every row due), at the loop's shapes: the keep mask
-    and compaction (`decode._evict`) on a copy of `state`'s buffer advanced by one interval."""
+    and compaction (`decode._round`, in place) on a copy of `state` advanced by one interval."""
     if not isinstance(policy, policies.EvictionPolicy):
         return 0.0
     spec = decode.DecodeSpec(config=model.config, dtype=model.dtype, policy=policy, sampling=SamplingParams(),
@@ -205,13 +206,17 @@ def time_round(model: Model, policy, state: decode.LoopState, repeats: int = 5) 
         return 0.0  # no round fits after the last step at these lengths (none ran either)
     if not bool(jnp.all(policy.due(due))):
         raise RuntimeError("the synthetic round state is not due; the benchmark's shapes are inconsistent")
-    evict = jax.jit(functools.partial(decode._evict, spec))
-    jax.block_until_ready(evict(due, state.observations, state.row_seeds))
+    # the loop's own round (`decode._round`), its state donated as in the loop: the compaction
+    # then writes back into the buffer it reads, as it does there
+    run_round = jax.jit(lambda s: decode._round(s, spec), donate_argnums=0)
+    due_state = dataclasses.replace(state, buffer=due)
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats + 1):  # the first call compiles
+        copy = jax.block_until_ready(jax.tree.map(jnp.copy, due_state))
         start = time.perf_counter()
-        jax.block_until_ready(evict(due, state.observations, state.row_seeds))
+        jax.block_until_ready(run_round(copy))
         times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) * 1e3
     return statistics.median(times) * 1e3
 
 
@@ -237,6 +242,16 @@ def arm(name: str, policy, prompts: list[list[int]], gen: int, capacity: int | N
     return Arm(name, policy, prompts, gen, capacity or decode.padded_capacity(policy, len(prompts[0]), gen))
 
 
+def interleaved(arms: list[Arm], repeats: int) -> Iterator[tuple[Arm, bool]]:
+    """The timed runs' order, (arm, is its first run): `repeats` rounds over the arms, each arm's
+    `runs_per_repeat` runs in a row, the arm order reversed every other round (1, 2, 3, 3, 2, 1,
+    ...) so that a steady drift of the machine's speed falls on every arm alike."""
+    for r in range(repeats):
+        for a in arms if r % 2 == 0 else arms[::-1]:
+            for k in range(a.runs_per_repeat):
+                yield a, r == k == 0
+
+
 def measure(model: Model, arms: list[Arm], repeats: int, bandwidth: float, time_rounds: bool = True
             ) -> dict[str, PolicyRun]:
     """Every arm warmed up (compiled, with a round run), then `repeats` timed runs of each,
@@ -248,10 +263,8 @@ def measure(model: Model, arms: list[Arm], repeats: int, bandwidth: float, time_
         warm = a.run(model, gen=min(a.gen, 2 * getattr(a.policy, "interval", 32) + 1))
         compile_seconds[a.name] = time.perf_counter() - start - warm.decode_seconds
     runs: dict[str, list] = {a.name: [] for a in arms}
-    for r in range(repeats):
-        for a in arms:
-            for k in range(a.runs_per_repeat):
-                runs[a.name].append(a.run(model, return_state=r == k == 0))
+    for a, first in interleaved(arms, repeats):
+        runs[a.name].append(a.run(model, return_state=first))
     out = {}
     for a in arms:
         first, timed = runs[a.name][0], runs[a.name]
@@ -278,15 +291,16 @@ def measure(model: Model, arms: list[Arm], repeats: int, bandwidth: float, time_
     return out
 
 
-def full_at_fill(model: Model, fill: float, interval: int, batch: int, capacity: int, runs_per_repeat: int = 5
+def full_at_fill(model: Model, fill: float, interval: int, batch: int, capacity: int, steps_to_match: int
                  ) -> Arm:
     """FullAttention holding `fill` entries per step on average, in a buffer of `capacity` slots:
-    prompt fill - i, then 2i decode steps (the eviction-overhead reference), `runs_per_repeat`
-    timed runs per interleaving round (one run is short: its time alone is noisy)."""
+    prompt fill - i, then 2i decode steps (the eviction-overhead reference). One such run is
+    short, so it runs enough times per interleaving round (at least 5) to span `steps_to_match`
+    decode steps, the compared arm's: both then sample the machine's speed over as long a time."""
     prompt = max(1, round(fill) - interval)
     reference = arm("full_at_random_fill", policies.FullAttention(), prompts_of(model, batch, prompt, seed=1),
                     2 * interval + 1, capacity)
-    return dataclasses.replace(reference, runs_per_repeat=runs_per_repeat)
+    return dataclasses.replace(reference, runs_per_repeat=max(5, -(-steps_to_match // (2 * interval))))
 
 
 # ----------------------------------------------------------------------------------- other arms
@@ -401,7 +415,7 @@ def run(args: argparse.Namespace) -> dict:
     arms = [arm(name, make(name), prompts, g) for name in names]
     if "random" in names:  # the eviction-overhead reference: Full in Random's shape, at its mean entries
         rnd = arms[names.index("random")]
-        arms.append(full_at_fill(model, mean_fill(rnd.policy, p, g), interval, b, rnd.capacity))
+        arms.append(full_at_fill(model, mean_fill(rnd.policy, p, g), interval, b, rnd.capacity, g - 1))
     if want_hf and hf_gen != g:
         arms.append(arm("full_at_hf_gen", make("full"), prompts, hf_gen))
     runs = measure(model, arms, settings["repeats"], bandwidth)

@@ -27,6 +27,23 @@ def test_mean_fill_follows_the_loop_schedule():
     assert bench.mean_fill(policies.FullAttention(), 8, 40) == pytest.approx(np.mean(np.arange(9, 48)))
 
 
+def test_runs_interleave_in_alternating_order():
+    a, b = (bench.Arm(n, None, [[1]], 4, 128) for n in "ab")
+    c = bench.dataclasses.replace(bench.Arm("c", None, [[1]], 4, 128), runs_per_repeat=2)
+    order = [(arm.name, first) for arm, first in bench.interleaved([a, b, c], 3)]
+    assert [n for n, _ in order] == list("abcc" "ccba" "abcc")
+    assert [n for n, first in order if first] == list("abc")  # each arm's first run keeps its state
+
+
+def test_the_overhead_reference_spans_the_compared_arm_steps(tmp_path):
+    save_tiny("llama", tmp_path)
+    model, _ = bench.bench_model(str(tmp_path), None, "float32")
+    short = bench.full_at_fill(model, 40.0, 8, 2, 128, steps_to_match=39)
+    long = bench.full_at_fill(model, 40.0, 8, 2, 128, steps_to_match=4095)
+    assert (short.gen, len(short.prompts[0]), short.runs_per_repeat) == (17, 32, 5)  # at least 5 runs
+    assert long.runs_per_repeat * 2 * 8 >= 4095 > (long.runs_per_repeat - 1) * 2 * 8
+
+
 def test_read_bandwidth_is_a_positive_rate():
     assert bench.read_bandwidth(gib=1 / 64, repeats=2) > 1e8  # more than 0.1 GB/s on any machine
 
