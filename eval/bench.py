@@ -13,13 +13,14 @@ policy decodes exactly `gen` tokens per row. Arms, all in one process:
   RandomAttention and the scoring policies, every eviction policy at the same budget T, window w
   and interval i (budget parity: every one holds T entries after a round). Per policy: decode
   tokens/s and ms/step (the median of `--repeats` runs after an untimed warm-up run that also
-  compiles), ms per eviction round (the round alone, `decode._evict` jitted on a due copy of the
-  final buffer, median of 5) and its share of decode time, peak KV bytes held and allocated,
+  compiles), ms per eviction round (the round alone, as the loop runs it: `decode._round` jitted,
+  donated, on a due copy of the final state, median of 5) and its share of decode time, peak KV bytes held and allocated,
   compile + prefill seconds (the warm-up call's wall time less its decode time), and achieved
   bytes/s: (parameter bytes + the mean KV bytes attention reads per step) / step time, as a
   fraction of the machine's read bandwidth (`read_bandwidth`);
 - eviction overhead: FullAttention in Random's buffer shape holding Random's mean entries per
-  step (`mean_fill`), against Random's step time (rounds amortised);
+  step (`mean_fill`), against Random's step time (rounds amortised); its short runs repeat to
+  span as many steps as Random's;
 - transformers (when installed and `--hf`): `generate` on the same weights (`eval/hf_baseline`),
   sdpa, the same thread count, dynamic and static caches, the better one counted; its greedy
   tokens are compared with FullAttention's;
@@ -212,12 +213,11 @@ def time_round(model: Model, policy, state: decode.LoopState, repeats: int = 5) 
     due_state = dataclasses.replace(state, buffer=due)
     times = []
     for _ in range(repeats + 1):  # the first call compiles
-        copy = jax.block_until_ready(jax.tree.map(jnp.copy, due_state))
+        fresh = jax.block_until_ready(jax.tree.map(jnp.copy, due_state))
         start = time.perf_counter()
-        jax.block_until_ready(run_round(copy))
+        jax.block_until_ready(run_round(fresh))
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:]) * 1e3
-    return statistics.median(times) * 1e3
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,8 +17,9 @@ survivors), each jitted, then `iters` calls ended by `block_until_ready`, best o
                    twice; `random_keep_mask_reference(method="argsort")`);
   3. xla top_k:    `lax.top_k(draws, K_sel)` then a scatter (`random_keep_mask_reference(method="top_k")`);
   4. xla bisect:   `backend="xla"`, the kernel's threshold bisection run by XLA over [l, b, k, s];
-plus, for scale, `buffer.compact` (the gather that follows every round; keys/values float32 of
-head_dim `--compact-head-dim`, 128 by default, 0 skips it). All four masks are checked equal, and
+plus, for scale, `buffer.compact` (what follows every round; keys/values float32 of head_dim
+`--compact-head-dim`, 128 by default, 0 skips it; jitted without donation, so each call also
+copies the buffer once before moving its entries in place). All four masks are checked equal, and
 to keep exactly T entries per head, before timing. Ratios are to (2).
 
 Part 2, inside the decode loop: `generate` on a random-weight model (`tiny`: 4 layers, 8 KV heads,
@@ -132,7 +133,7 @@ def bench_round(args, platform: str) -> list[tuple[str, float]]:
     if args.compact_head_dim:
         d = args.compact_head_dim
         big, _ = round_buffer(rng, args.layers, args.batch, args.kv_heads, args.prompt, rule, head_dim=d)
-        rows.append((f"compact (gather, d={d} f32)", time_ms(jax.jit(compact), (big, jnp.asarray(ref)),
+        rows.append((f"compact (d={d} f32, buffer copied)", time_ms(jax.jit(compact), (big, jnp.asarray(ref)),
                                                              max(1, args.iters // 4))))
     return rows
 
