@@ -14,10 +14,10 @@ policy decodes exactly `gen` tokens per row. Arms, all in one process:
   and interval i (budget parity: every one holds T entries after a round). Per policy: decode
   tokens/s and ms/step (the median of `--repeats` runs after an untimed warm-up run that also
   compiles), ms per eviction round (the round alone, as the loop runs it: `decode._round` jitted,
-  donated, on a due copy of the final state, median of 5) and its share of decode time, peak KV bytes held and allocated,
-  compile + prefill seconds (the warm-up call's wall time less its decode time), and achieved
-  bytes/s: (parameter bytes + the mean KV bytes attention reads per step) / step time, as a
-  fraction of the machine's read bandwidth (`read_bandwidth`);
+  donated, on a due copy of the final state, median of 5) and its share of decode time, peak KV
+  bytes held and allocated, compile + prefill seconds (the warm-up call's wall time less its
+  decode time), and achieved bytes/s: (parameter bytes + the mean KV bytes attention reads per
+  step) / step time, as a fraction of the machine's read bandwidth (`read_bandwidth`);
 - eviction overhead: FullAttention in Random's buffer shape holding Random's mean entries per
   step (`mean_fill`), against Random's step time (rounds amortised); its short runs repeat to
   span as many steps as Random's;
