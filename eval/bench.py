@@ -22,8 +22,12 @@ policy decodes exactly `gen` tokens per row. Arms, all in one process:
   step (`mean_fill`), against Random's step time (rounds amortised); its short runs repeat to
   span as many steps as Random's;
 - transformers (when installed and `--hf`): `generate` on the same weights (`eval/hf_baseline`),
-  sdpa, the same thread count, dynamic and static caches, the better one counted; its greedy
-  tokens are compared with FullAttention's;
+  sdpa, the same thread count, dynamic and static caches, the better one counted, decode timed
+  inside each call by per-token timestamps; `--hf-gen` tokens (default `--gen`), its greedy
+  tokens compared with FullAttention's at that length (`jax_vs_hf`). When `--hf-gen` < `--gen`,
+  `random_vs_hf` divides by transformers' rate over a whole `--gen` run, timed on `--hf-steps`
+  of its steps (`hf_at_gen_arm`: a static cache of prompt + gen slots; a dynamic one at the
+  run's mean length);
 - equal memory (`--memory-bytes`, default: FullAttention's KV buffer at `--batch`): the largest
   batch each policy's buffer fits (capped at `--max-batch`) and its throughput there;
 - serving (`--requests`): an `Engine` with `--batch` slots serving that many requests with
@@ -34,8 +38,8 @@ table (`bench.md`) and a PNG chart (`bench.png`). The headline ratios: `random_v
 `random_vs_triattention`, `random_vs_best_scorer` (Random / the fastest scoring policy),
 `random_vs_full_bytes_bound` (FullAttention's bytes read per step / Random's: what `random_vs_full`
 reaches when both steps are bound by their reads),
-`eviction_overhead` (Random step / Full step at the same entries) and `jax_vs_hf` (FullAttention /
-transformers, full caches both). Wall-clock numbers are measurements, never test assertions.
+`eviction_overhead` (Random step / Full step at the same entries), `jax_vs_hf` (FullAttention /
+transformers, full caches both) and `random_vs_hf` (Random / transformers at `--gen`). Wall-clock numbers are measurements, never test assertions.
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "targets": dict(batch=8, prompt=256, gen=4096, budget=512, repeats=3, hf_gen=1024, memory_gen=512, requests=16,
                     serving_max_len=2048),
 }
-DEFAULTS = dict(batch=8, prompt=128, gen=1024, budget=512, window=64, interval=64, repeats=3, hf_gen=None,
+DEFAULTS = dict(batch=8, prompt=128, gen=1024, budget=512, window=64, interval=64, repeats=3, hf_gen=None, hf_steps=32,
                 memory_gen=None, requests=0, serving_max_len=1024, arm_policies=("full", "random", "triattention"))
 
 
@@ -305,14 +309,13 @@ def full_at_fill(model: Model, fill: float, interval: int, batch: int, capacity:
 
 # ----------------------------------------------------------------------------------- other arms
 
-def hf_arm(model: Model, prompts: list[list[int]], gen: int, repeats: int, full_tokens: list[list[int]]) -> dict:
-    """transformers `generate` (sdpa, dynamic and static caches) on the same weights and lengths."""
+def hf_arm(hf_model, prompts: list[list[int]], gen: int, repeats: int, full_tokens: list[list[int]]) -> dict:
+    """transformers `generate` (sdpa, dynamic and static caches) on the same weights and lengths,
+    decode timed by its per-token timestamps; its greedy tokens compared with FullAttention's."""
     from randkv_jax.eval import hf_baseline
 
-    threads = hf_baseline.set_threads()
-    hf_model = hf_baseline.to_transformers(model)
-    out: dict[str, Any] = {"threads": threads, "gen": gen}
-    for cache in ("dynamic", "static"):
+    out: dict[str, Any] = {"threads": hf_baseline.set_threads(), "gen": gen}
+    for cache in hf_baseline.CACHES:
         rate, tokens = hf_baseline.hf_decode_tokens_per_second(hf_model, prompts, gen, cache=cache, repeats=repeats)
         out[f"{cache}_tokens_per_second"] = rate
         out.setdefault("tokens", tokens)
@@ -322,6 +325,27 @@ def hf_arm(model: Model, prompts: list[list[int]], gen: int, repeats: int, full_
     out["tokens_equal_full"] = all(n == gen for n in agree)
     out["equal_prefix"] = min(agree)  # leading tokens equal to FullAttention's, worst row
     return out
+
+
+def hf_at_gen_arm(hf_model, model: Model, batch: int, prompt: int, gen: int, steps: int, repeats: int) -> dict:
+    """transformers' decode rate over a whole `gen`-token run, timed on `steps` of its steps.
+
+    Static cache: `prompt + gen` slots, every step attending over all of them (a step costs the
+    same at any fill), so `steps` steps after the prompt time the whole run. Dynamic cache: a
+    step reads and appends to its current length, so the steps are timed around the run's mean
+    length, from a prompt of `prompt + gen // 2 - steps // 2` random ids. Both after the model is
+    warm (the `hf_arm` ran first); the better cache counts, as there.
+    """
+    from randkv_jax.eval import hf_baseline
+
+    static, _ = hf_baseline.hf_decode_tokens_per_second(
+        hf_model, prompts_of(model, batch, prompt), steps, cache="static", cache_len=prompt + gen, repeats=repeats,
+        warmup=False)
+    mid = prompt + gen // 2 - steps // 2
+    dynamic, _ = hf_baseline.hf_decode_tokens_per_second(
+        hf_model, prompts_of(model, batch, mid, seed=2), steps, cache="dynamic", repeats=repeats, warmup=False)
+    return {"gen": gen, "steps": steps, "static_tokens_per_second": static, "dynamic_tokens_per_second": dynamic,
+            "dynamic_prompt": mid, "tokens_per_second": max(static, dynamic)}
 
 
 def _has_transformers() -> bool:
@@ -411,12 +435,12 @@ def run(args: argparse.Namespace) -> dict:
         f"batch {b}, prompt {p}, gen {g}, T={t} w={window} i={interval}")
     prompts = prompts_of(model, b, p)
     hf_gen = settings["hf_gen"] or g
-    want_hf = args.hf and "full" in names and _has_transformers()
+    want_hf = args.hf and _has_transformers()
     arms = [arm(name, make(name), prompts, g) for name in names]
     if "random" in names:  # the eviction-overhead reference: Full in Random's shape, at its mean entries
         rnd = arms[names.index("random")]
         arms.append(full_at_fill(model, mean_fill(rnd.policy, p, g), interval, b, rnd.capacity, g - 1))
-    if want_hf and hf_gen != g:
+    if want_hf and (hf_gen != g or "full" not in names):  # FullAttention at transformers' length
         arms.append(arm("full_at_hf_gen", make("full"), prompts, hf_gen))
     runs = measure(model, arms, settings["repeats"], bandwidth)
     for r in runs.values():
@@ -442,18 +466,27 @@ def run(args: argparse.Namespace) -> dict:
         result["random_vs_best_scorer"] = rate("random") / max(rate(n) for n in scorers) if scorers else None
         result["eviction_overhead"] = runs["random"].ms_per_step / extra["full_at_random_fill"].ms_per_step
     if want_hf:
-        full = extra.get("full_at_hf_gen", runs["full"])
-        hf = hf_arm(model, prompts, hf_gen, settings["repeats"], full.tokens)
+        from randkv_jax.eval import hf_baseline
+
+        full = extra.get("full_at_hf_gen") or runs["full"]
+        hf_model = hf_baseline.to_transformers(model)
+        hf = hf_arm(hf_model, prompts, hf_gen, settings["repeats"], full.tokens)
         hf["jax_full_tokens_per_second"] = full.tokens_per_second
         result["hf"] = hf
         result["jax_vs_hf"] = full.tokens_per_second / hf["tokens_per_second"]
-        if "random" in runs and hf_gen == g:
-            result["random_vs_hf"] = rate("random") / hf["tokens_per_second"]
         log(f"  transformers {hf['tokens_per_second']:.1f} tok/s (gen {hf_gen}); jax full "
             f"{full.tokens_per_second:.1f}; tokens equal: {hf['tokens_equal_full']} "
             f"({hf['equal_prefix']} of {hf_gen} leading tokens, worst row)")
+        if "random" in runs:
+            at_gen = hf if hf_gen == g else hf_at_gen_arm(hf_model, model, b, p, g, min(settings["hf_steps"], g),
+                                                          settings["repeats"])
+            if hf_gen != g:
+                result["hf_at_gen"] = at_gen
+                log(f"  transformers at {g} generated (timed on {at_gen['steps']} steps): static "
+                    f"{at_gen['static_tokens_per_second']:.1f}, dynamic {at_gen['dynamic_tokens_per_second']:.1f} tok/s")
+            result["random_vs_hf"] = rate("random") / at_gen["tokens_per_second"]
     elif args.hf:
-        log("  no transformers arm (transformers not installed, or no full policy)")
+        log("  no transformers arm (transformers not installed)")
     if not args.no_memory:
         memory = args.memory_bytes or runs.get("full", next(iter(runs.values()))).kv_bytes_allocated
         gen_m = settings["memory_gen"] or g
@@ -499,6 +532,11 @@ def markdown(result: dict) -> str:
                      f"{hf['dynamic_tokens_per_second']:.1f}, static {hf['static_tokens_per_second']:.1f} tok/s; "
                      f"greedy tokens equal to FullAttention's: {hf['tokens_equal_full']} "
                      f"({hf['equal_prefix']} of {hf['gen']} leading tokens, worst row)")
+    if "hf_at_gen" in result:
+        at = result["hf_at_gen"]
+        lines.append(f"- transformers at {at['gen']} generated, {at['steps']} steps timed at that run's cache: "
+                     f"static {at['static_tokens_per_second']:.1f} (prompt + {at['gen']} slots), dynamic "
+                     f"{at['dynamic_tokens_per_second']:.1f} tok/s (at the mean length, prompt {at['dynamic_prompt']})")
     if "equal_memory" in result:
         em = result["equal_memory"]
         lines.append(f"- equal memory ({em['memory_bytes'] / 2**20:.0f} MiB of KV, gen {em['gen']}): " + ", ".join(
@@ -516,9 +554,11 @@ def chart(result: dict, path: Path) -> None:
 
     names = list(result["policies"])
     rates = [result["policies"][n]["tokens_per_second"] for n in names]
-    if "hf" in result and result["hf"]["gen"] == result["gen"]:
+    at_gen = result.get("hf_at_gen") or (result["hf"] if "hf" in result and result["hf"]["gen"] == result["gen"]
+                                          else None)
+    if at_gen:
         names.append("transformers")
-        rates.append(result["hf"]["tokens_per_second"])
+        rates.append(at_gen["tokens_per_second"])
     fig = figure()
     ax = fig.add_subplot()
     ax.bar(names, rates, color=["#d62728" if n == "random" else "#7f7f7f" for n in names])
@@ -539,6 +579,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name in ("batch", "prompt", "gen", "budget", "repeats"):
         parser.add_argument(f"--{name}", type=int, help=f"default {DEFAULTS[name]} (or the preset's)")
     parser.add_argument("--hf-gen", type=int, help="generated tokens of the transformers arm (default: --gen)")
+    parser.add_argument("--hf-steps", type=int, help="when --hf-gen < --gen: transformers' decode steps timed at "
+                        f"--gen's cache for random_vs_hf (default {DEFAULTS['hf_steps']})")
     parser.add_argument("--memory-gen", type=int, help="generated tokens of the equal-memory arm (default: --gen)")
     parser.add_argument("--requests", type=int, help="serving arm: requests through the engine (0: no serving arm)")
     parser.add_argument("--serving-max-len", type=int, help="serving arm: longest generation")

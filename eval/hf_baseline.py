@@ -8,8 +8,9 @@
   `qkv_proj` and `gate_up_proj`). A parameter of ours that no rule reads, or a transformers
   parameter that no rule writes, is a `ValueError` naming it.
 - `hf_generate(hf_model, prompts, max_new_tokens, cache=...)`: greedy, EOS ignored, one batch of
-  equal-length prompts (no padding), timed.
-- `hf_decode_tokens_per_second(...)`: decode throughput without the prefill (rule below).
+  equal-length prompts (no padding), timed, with the time each token arrived (a streamer's
+  timestamps, so the prefill is told apart from the decode steps exactly).
+- `hf_decode_tokens_per_second(...)`: decode throughput without the prefill, from those timestamps.
 - `set_threads(n)`: torch's intra-op thread count, to match JAX's.
 
 Importing this module imports torch and transformers: only benchmarks and tests do.
@@ -28,6 +29,7 @@ import jax
 import numpy as np
 import torch
 import transformers
+from transformers.generation.streamers import BaseStreamer
 from randkv_jax.models.config import ModelConfig, config_from_hf_dict
 from randkv_jax.models.hf import key_table
 from randkv_jax.models.model import Model
@@ -189,18 +191,41 @@ def to_transformers(model: Model) -> transformers.PreTrainedModel:
 
 @dataclasses.dataclass(frozen=True)
 class HFRun:
-    """One `generate` call: generated ids per row (prompt excluded) and its wall time."""
+    """One `generate` call: generated ids per row (prompt excluded), its wall time, and when each
+    generated token arrived (`token_times[k]`: token k + 1 of every row; `token_times[0]` ends the
+    prefill, which produces the first token; `time.perf_counter` seconds)."""
 
     tokens: list[list[int]]
     seconds: float
+    token_times: tuple[float, ...]
+
+    @property
+    def decode_seconds(self) -> float:
+        """The decode steps' time: from the first token (the prefill's) to the last."""
+        return self.token_times[-1] - self.token_times[0]
+
+
+class _TokenClock(BaseStreamer):
+    """A `generate` streamer that records when each `put` arrives (the first one is the prompt)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
 
 
 def hf_generate(hf_model: transformers.PreTrainedModel, prompts: list[list[int]], max_new_tokens: int, *,
-                cache: str) -> HFRun:
-    """Greedy `generate` of exactly `max_new_tokens` per prompt, EOS ignored, timed.
+                cache: str, cache_len: int | None = None) -> HFRun:
+    """Greedy `generate` of exactly `max_new_tokens` per prompt, EOS ignored, timed per token.
 
     `prompts` must all have the same length: they are one [batch, time] tensor, no padding.
-    `cache`: "dynamic" (DynamicCache) or "static" (StaticCache, not compiled).
+    `cache`: "dynamic" (DynamicCache) or "static" (StaticCache, not compiled). `cache_len` (static
+    only): the StaticCache's slots, default prompt + `max_new_tokens`; transformers' sdpa attends
+    over all of them every step, so a step costs the same at any fill.
     EOS is ignored by passing `eos_token_id=None` (no stopping criterion; `min_new_tokens` would
     instead mask the EOS logit and change greedy choices); the result is checked to be full length.
     """
@@ -214,6 +239,15 @@ def hf_generate(hf_model: transformers.PreTrainedModel, prompts: list[list[int]]
     if len(lengths) > 1:
         raise ValueError(f"hf_generate batches prompts without padding: all must have one length, got lengths {lengths}")
     input_ids = torch.tensor(prompts, dtype=torch.long)
+    if cache_len is None:
+        cache_kw: dict[str, Any] = dict(cache_implementation=cache)
+    elif cache != "static":
+        raise ValueError(f"cache_len sizes a static cache; cache={cache!r} grows as it goes")
+    elif cache_len < lengths[0] + max_new_tokens:
+        raise ValueError(f"cache_len {cache_len} < prompt {lengths[0]} + max_new_tokens {max_new_tokens}")
+    else:
+        cache_kw = dict(cache=transformers.StaticCache(config=hf_model.config, max_cache_len=cache_len))
+    clock = _TokenClock()
     with torch.inference_mode():
         start = time.perf_counter()
         out = hf_model.generate(
@@ -223,35 +257,34 @@ def hf_generate(hf_model: transformers.PreTrainedModel, prompts: list[list[int]]
             do_sample=False,
             num_beams=1,
             eos_token_id=None,
-            cache_implementation=cache,
             disable_compile=True,
+            streamer=clock,
+            **cache_kw,
         )
         seconds = time.perf_counter() - start
     tokens = out[:, input_ids.shape[1]:].tolist()
     if any(len(row) != max_new_tokens for row in tokens):
         raise RuntimeError(f"transformers generated {[len(r) for r in tokens]} tokens, expected {max_new_tokens} each")
-    return HFRun(tokens=tokens, seconds=seconds)
+    if len(clock.times) != max_new_tokens + 1:  # the prompt, then one put per generated token
+        raise RuntimeError(f"the streamer saw {len(clock.times)} puts, expected {max_new_tokens + 1}")
+    return HFRun(tokens=tokens, seconds=seconds, token_times=tuple(clock.times[1:]))
 
 
 def hf_decode_tokens_per_second(hf_model: transformers.PreTrainedModel, prompts: list[list[int]],
-                                max_new_tokens: int, *, cache: str, repeats: int = 3) -> tuple[float, list[list[int]]]:
+                                max_new_tokens: int, *, cache: str, cache_len: int | None = None, repeats: int = 3,
+                                warmup: bool = True) -> tuple[float, list[list[int]]]:
     """Decode tokens/s of `generate`, the prefill excluded, and the generated tokens.
 
-    `generate` with max_new_tokens=1 is the prefill (and its token); with N it is the prefill plus
-    N-1 decode steps, so decode tokens/s = batch * (N - 1) / (t_N - t_1), each time the median of
-    `repeats` runs (alternated, after one untimed warm-up of each).
+    Each run's rate is batch * (N - 1) / (time of token N - time of token 1): the N - 1 decode
+    steps after the prefill, timed inside the one `generate` call (`HFRun.token_times`); the result
+    is the median of `repeats` runs, after one untimed warm-up run unless `warmup=False` (the model
+    already warm). The tokens are the first run's. `cache`, `cache_len`: as in `hf_generate`.
     """
     if max_new_tokens < 2:
         raise ValueError(f"max_new_tokens must be >= 2 to time a decode step, got {max_new_tokens}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    hf_generate(hf_model, prompts, 1, cache=cache)
-    tokens = hf_generate(hf_model, prompts, max_new_tokens, cache=cache).tokens
-    t1, tn = [], []
-    for _ in range(repeats):
-        t1.append(hf_generate(hf_model, prompts, 1, cache=cache).seconds)
-        tn.append(hf_generate(hf_model, prompts, max_new_tokens, cache=cache).seconds)
-    decode = statistics.median(tn) - statistics.median(t1)
-    if decode <= 0:
-        raise RuntimeError(f"decode time not measurable (median t_N - t_1 = {decode:.2e} s): raise max_new_tokens")
-    return len(prompts) * (max_new_tokens - 1) / decode, tokens
+    runs = [hf_generate(hf_model, prompts, max_new_tokens, cache=cache, cache_len=cache_len)
+            for _ in range(repeats + warmup)]
+    rates = [len(prompts) * (max_new_tokens - 1) / r.decode_seconds for r in runs[warmup:]]
+    return statistics.median(rates), runs[0].tokens

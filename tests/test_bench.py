@@ -68,7 +68,7 @@ def test_bench_end_to_end_on_random_weights(tiny_config, tmp_path, capsys):
     out = tmp_path / "out"
     code = main(["bench", "--config", str(tiny_config), "--dtype", "float32", "--batch", "2", "--prompt", "8",
                  "--gen", "40", "--budget", "24", "--window", "8", "--interval", "8", "--repeats", "3",
-                 "--hf-gen", "8", "--requests", "3", "--serving-max-len", "24", "--out", str(out), "--json", "--quiet"])
+                 "--hf-gen", "8", "--hf-steps", "6", "--requests", "3", "--serving-max-len", "24", "--out", str(out), "--json", "--quiet"])
     assert code == 0
     printed = json.loads(capsys.readouterr().out)
     stored = json.loads((out / "bench.json").read_text())
@@ -90,12 +90,30 @@ def test_bench_end_to_end_on_random_weights(tiny_config, tmp_path, capsys):
         assert r["bytes_per_step"] == pytest.approx(stored["weight_bytes_per_step"] + r["mean_fill"] * slot * 2)
     assert stored["random_vs_full_bytes_bound"] == pytest.approx(
         runs["full"]["bytes_per_step"] / runs["random"]["bytes_per_step"])
-    assert stored["hf"]["tokens_equal_full"] is True
+    assert stored["hf"]["tokens_equal_full"] is True and stored["hf"]["gen"] == 8
+    # transformers at the run's 40 generated, timed on 6 steps: static over 8 + 40 slots, dynamic
+    # around the mean length (8 + 40 / 2, less half the steps)
+    at_gen = stored["hf_at_gen"]
+    assert (at_gen["gen"], at_gen["steps"], at_gen["dynamic_prompt"]) == (40, 6, 25)
+    assert at_gen["tokens_per_second"] == max(at_gen["static_tokens_per_second"], at_gen["dynamic_tokens_per_second"])
+    assert stored["random_vs_hf"] == pytest.approx(runs["random"]["tokens_per_second"] / at_gen["tokens_per_second"])
     reference = stored["references"]["full_at_random_fill"]
     assert reference["mean_fill"] == pytest.approx(runs["random"]["mean_fill"], abs=1)
     assert len(reference["repeats"]) == 3 * 5  # the short reference runs 5 times per interleaving round
     assert {r["policy"] for r in stored["equal_memory"]["runs"]} == {"full", "random", "triattention"}
     assert all(r["useful_tokens"] > 0 for r in stored["serving"])
+
+
+def test_bench_hf_arm_without_a_full_policy(tiny_config, tmp_path, capsys):
+    """transformers is compared with a FullAttention run at its length even when only Random is timed."""
+    code = main(["bench", "--config", str(tiny_config), "--dtype", "float32", "--batch", "2", "--prompt", "8",
+                 "--gen", "16", "--budget", "16", "--window", "4", "--interval", "4", "--policies", "random",
+                 "--no-memory", "--requests", "0", "--json", "--quiet"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert list(result["policies"]) == ["random"] and result["random_vs_full"] is None
+    assert result["references"]["full_at_hf_gen"]["steps"] == 15 and result["hf"]["tokens_equal_full"] is True
+    assert result["jax_vs_hf"] > 0 and result["random_vs_hf"] > 0 and "hf_at_gen" not in result
 
 
 def test_bench_refuses_an_unknown_config(capsys):

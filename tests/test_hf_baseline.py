@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import numpy as np
 import pytest
 import torch
+from randkv_jax.eval import hf_baseline
 from randkv_jax.eval.hf_baseline import (
     HFRun,
     hf_decode_tokens_per_second,
     hf_generate,
-    set_threads,
     to_transformers,
 )
 from randkv_jax.models.loading import load_model
@@ -72,15 +73,47 @@ def test_greedy_tokens_match_ours(tiny, name, cache):
     assert run.tokens == ours.tokens, f"{name} cache={cache}"
 
 
-def test_decode_tokens_per_second(tiny):
+def test_decode_rate_counts_the_decode_steps_only(tiny, monkeypatch):
+    """A fake clock advanced by the model's forward: 100 s per prefill, 1 s per decode step. The
+    rate must be batch * (N - 1) steps / (N - 1) s exactly, whatever the prefill costs."""
     _, model = tiny("llama")
-    set_threads(1)
+    hf = to_transformers(model)
+    clock = [0.0]
+
+    def tick(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        clock[0] += 100.0 if ids.shape[1] > 1 else 1.0
+
+    monkeypatch.setattr(hf_baseline, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    handle = hf.register_forward_pre_hook(tick, with_kwargs=True)
     try:
         prompts = _prompts(model.config.vocab_size)
-        rate, tokens = hf_decode_tokens_per_second(to_transformers(model), prompts, 4, cache="dynamic", repeats=1)
+        run = hf_generate(hf, prompts, 5, cache="dynamic")
+        rate, tokens = hf_decode_tokens_per_second(hf, prompts, 5, cache="static", repeats=2)
     finally:
-        set_threads()
-    assert rate > 0 and len(tokens) == 2 and all(len(row) == 4 for row in tokens)
+        handle.remove()
+    assert run.token_times == (100.0, 101.0, 102.0, 103.0, 104.0) and run.decode_seconds == 4.0
+    assert rate == 2.0  # 2 rows x 4 decode steps in 4 s
+    assert tokens == run.tokens and all(len(row) == 5 for row in tokens)
+
+
+def test_static_cache_len_sizes_the_cache(tiny):
+    _, model = tiny("qwen3_untied")
+    hf = to_transformers(model)
+    prompts = _prompts(model.config.vocab_size)
+    seen = []
+    handle = hf.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw["cache"].get_mask_sizes(1, 0)[0]), with_kwargs=True)
+    try:
+        sized = hf_generate(hf, prompts, 4, cache="static", cache_len=40)
+    finally:
+        handle.remove()
+    assert set(seen) == {40}  # prefill and every decode step ran on the 40-slot cache
+    assert sized.tokens == hf_generate(hf, prompts, 4, cache="static").tokens
+    with pytest.raises(ValueError, match="cache_len 15 < prompt 12"):
+        hf_generate(hf, prompts, 4, cache="static", cache_len=15)
+    with pytest.raises(ValueError, match="sizes a static cache"):
+        hf_generate(hf, prompts, 4, cache="dynamic", cache_len=40)
 
 
 def test_unconsumed_and_missing_parameters_raise(tiny):
