@@ -39,7 +39,8 @@ table (`bench.md`) and a PNG chart (`bench.png`). The headline ratios: `random_v
 `random_vs_full_bytes_bound` (FullAttention's bytes read per step / Random's: what `random_vs_full`
 reaches when both steps are bound by their reads),
 `eviction_overhead` (Random step / Full step at the same entries), `jax_vs_hf` (FullAttention /
-transformers, full caches both) and `random_vs_hf` (Random / transformers at `--gen`). Wall-clock numbers are measurements, never test assertions.
+transformers, full caches both) and `random_vs_hf` (Random / transformers at `--gen`). Wall-clock
+numbers are measurements, never test assertions.
 """
 
 from __future__ import annotations
