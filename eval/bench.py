@@ -410,9 +410,25 @@ def serving_arm(model: Model, names: list[str], make, slots: int, prompt: int, r
 
 # ------------------------------------------------------------------------------------------ main
 
+def check_settings(settings: dict[str, Any]) -> None:
+    """Refuse, before anything is timed, settings that no arm could measure: a ValueError naming them."""
+    low = {name: settings[name] for name in ("batch", "prompt", "gen", "budget", "window", "interval")
+           if settings[name] < 1}
+    if settings["repeats"] < 3:
+        low["repeats"] = settings["repeats"]  # every figure is the median of at least 3 runs
+    if settings["hf_steps"] < 2:
+        low["hf_steps"] = settings["hf_steps"]  # a decode step is timed between two tokens
+    if settings["hf_gen"] is not None and settings["hf_gen"] < 2:
+        low["hf_gen"] = settings["hf_gen"]
+    if low:
+        raise ValueError("bench settings too small (at least 1; repeats 3; hf_steps and hf_gen 2): "
+                         + ", ".join(f"{k}={v}" for k, v in low.items()))
+
+
 def run(args: argparse.Namespace) -> dict:
     settings = {**DEFAULTS, **PRESETS.get(args.preset or "", {})}
     settings.update({k: v for k, v in vars(args).items() if k in settings and v is not None})
+    check_settings(settings)
     b, p, g, t = settings["batch"], settings["prompt"], settings["gen"], settings["budget"]
     window, interval = settings["window"], settings["interval"]
     names = args.policies.split(",") if args.policies else ["full", "random", *SCORERS]

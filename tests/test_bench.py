@@ -116,6 +116,14 @@ def test_bench_hf_arm_without_a_full_policy(tiny_config, tmp_path, capsys):
     assert result["jax_vs_hf"] > 0 and result["random_vs_hf"] > 0 and "hf_at_gen" not in result
 
 
+@pytest.mark.parametrize("flags, named", [(["--repeats", "2"], "repeats=2"), (["--hf-steps", "1"], "hf_steps=1"),
+                                          (["--gen", "0", "--hf-gen", "1"], "gen=0, hf_gen=1")])
+def test_bench_refuses_settings_it_cannot_measure(flags, named, capsys):
+    """Refused before the model loads or anything is timed."""
+    assert main(["bench", "--config", "no-such-model", "--quiet", *flags]) == 2
+    assert named in capsys.readouterr().err
+
+
 def test_bench_refuses_an_unknown_config(capsys):
     assert main(["bench", "--config", "no-such-model", "--quiet"]) == 2
     assert "no config 'no-such-model'" in capsys.readouterr().err
