@@ -17,7 +17,8 @@ policy decodes exactly `gen` tokens per row. Arms, all in one process:
   donated, on a due copy of the final state, median of 5) and its share of decode time, peak KV
   bytes held and allocated, compile + prefill seconds (the warm-up call's wall time less its
   decode time), and achieved bytes/s: (parameter bytes + the mean KV bytes attention reads per
-  step) / step time, as a fraction of the machine's read bandwidth (`read_bandwidth`);
+  step) / step time, as a fraction of the machine's read bandwidth (`read_bandwidth`, probed
+  before the timed runs and after each interleaving round; the highest probe counts);
 - eviction overhead: FullAttention in Random's buffer shape holding Random's mean entries per
   step (`mean_fill`), against Random's step time (rounds amortised); its short runs repeat to
   span as many steps as Random's;
@@ -54,7 +55,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -257,19 +258,28 @@ def interleaved(arms: list[Arm], repeats: int) -> Iterator[tuple[Arm, bool]]:
                 yield a, r == k == 0
 
 
-def measure(model: Model, arms: list[Arm], repeats: int, bandwidth: float, time_rounds: bool = True
-            ) -> dict[str, PolicyRun]:
+def measure(model: Model, arms: list[Arm], repeats: int, probe: Callable[[], float] = read_bandwidth,
+            time_rounds: bool = True) -> tuple[dict[str, PolicyRun], list[float]]:
     """Every arm warmed up (compiled, with a round run), then `repeats` timed runs of each,
     interleaved (arm 1, arm 2, ..., arm 1, ...) so that a slow spell of the machine falls on all
-    arms alike. The warm-up is 2i + 1 steps in the timed buffer shape: the same program."""
+    arms alike. The warm-up is 2i + 1 steps in the timed buffer shape: the same program.
+
+    The read bandwidth is probed (`probe()`, bytes/s) before the timed runs and after each
+    interleaving round; achieved bytes/s are a fraction of the highest probe, the best the
+    machine showed while the arms ran. Returns the runs and the probes, in order."""
     compile_seconds = {}
     for a in arms:
         start = time.perf_counter()
         warm = a.run(model, gen=min(a.gen, 2 * getattr(a.policy, "interval", 32) + 1))
         compile_seconds[a.name] = time.perf_counter() - start - warm.decode_seconds
     runs: dict[str, list] = {a.name: [] for a in arms}
-    for a, first in interleaved(arms, repeats):
+    probes = [probe()]
+    per_round = sum(a.runs_per_repeat for a in arms)
+    for i, (a, first) in enumerate(interleaved(arms, repeats)):
         runs[a.name].append(a.run(model, return_state=first))
+        if (i + 1) % per_round == 0:
+            probes.append(probe())
+    bandwidth = max(probes)
     out = {}
     for a in arms:
         first, timed = runs[a.name][0], runs[a.name]
@@ -293,7 +303,7 @@ def measure(model: Model, arms: list[Arm], repeats: int, bandwidth: float, time_
             compile_seconds=compile_seconds[a.name], repeats=[t.decode_tokens_per_second for t in timed],
             tokens=first.tokens,
         )
-    return out
+    return out, probes
 
 
 def full_at_fill(model: Model, fill: float, interval: int, batch: int, capacity: int, steps_to_match: int
@@ -367,7 +377,7 @@ def _common_prefix(a, b) -> int:
 
 
 def equal_memory_arm(model: Model, names: list[str], make, prompt: int, gen: int, memory_bytes: int,
-                     max_batch: int, repeats: int, bandwidth: float) -> list[dict]:
+                     max_batch: int, repeats: int) -> list[dict]:
     """The largest batch each policy's buffer fits in `memory_bytes` of KV, and its tokens/s there."""
     out, arms = [], []
     for name in names:
@@ -378,7 +388,7 @@ def equal_memory_arm(model: Model, names: list[str], make, prompt: int, gen: int
             out.append(dict(policy=name, batch=0, capacity=capacity, tokens_per_second=0.0))
             continue
         arms.append(arm(name, policy, prompts_of(model, batch, prompt, seed=2), gen, capacity))
-    runs = measure(model, arms, repeats, bandwidth, time_rounds=False)
+    runs, _ = measure(model, arms, repeats, time_rounds=False)
     for a in arms:
         out.append(dict(policy=a.name, batch=len(a.prompts), capacity=a.capacity,
                         tokens_per_second=runs[a.name].tokens_per_second,
@@ -447,8 +457,7 @@ def run(args: argparse.Namespace) -> dict:
 
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if not args.quiet else (lambda *a: None)  # noqa: E731
     model, model_name = bench_model(args.model, args.config, args.dtype)
-    bandwidth = read_bandwidth()
-    log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; {model_name}, {jnp.dtype(model.dtype).name}, "
+    log(f"{model_name}, {jnp.dtype(model.dtype).name}, "
         f"batch {b}, prompt {p}, gen {g}, T={t} w={window} i={interval}")
     prompts = prompts_of(model, b, p)
     hf_gen = settings["hf_gen"] or g
@@ -459,7 +468,8 @@ def run(args: argparse.Namespace) -> dict:
         arms.append(full_at_fill(model, mean_fill(rnd.policy, p, g), interval, b, rnd.capacity, g - 1))
     if want_hf and (hf_gen != g or "full" not in names):  # FullAttention at transformers' length
         arms.append(arm("full_at_hf_gen", make("full"), prompts, hf_gen))
-    runs = measure(model, arms, settings["repeats"], bandwidth)
+    runs, probes = measure(model, arms, settings["repeats"])
+    log("read bandwidth probes " + ", ".join(f"{x / 1e9:.1f}" for x in probes) + " GB/s (the highest counts)")
     for r in runs.values():
         log(f"  {r.policy:20s} {r.tokens_per_second:8.1f} tok/s  {r.ms_per_step:7.2f} ms/step  "
             f"round {r.ms_per_round:6.2f} ms ({100 * r.round_share:.1f}%)  {100 * r.bandwidth_fraction:.0f}% of bw")
@@ -469,7 +479,8 @@ def run(args: argparse.Namespace) -> dict:
         model=model_name, dtype=jnp.dtype(model.dtype).name, backend=jax.default_backend(),
         device=jax.devices()[0].device_kind, jax_version=jax.__version__, cpu_count=os.cpu_count(),
         batch=b, prompt=p, gen=g, budget=t, window=window, interval=interval, repeats=settings["repeats"],
-        read_bandwidth=bandwidth, weight_bytes_per_step=weight_bytes_per_step(model),
+        read_bandwidth=max(probes), read_bandwidth_probes=probes,
+        weight_bytes_per_step=weight_bytes_per_step(model),
         policies={n: asdict(r) for n, r in runs.items()}, references={n: asdict(r) for n, r in extra.items()},
     )
     rate = lambda n: runs[n].tokens_per_second  # noqa: E731
@@ -509,7 +520,7 @@ def run(args: argparse.Namespace) -> dict:
         gen_m = settings["memory_gen"] or g
         memory_names = [n for n in settings["arm_policies"] if n in names]
         result["equal_memory"] = dict(memory_bytes=memory, gen=gen_m, runs=equal_memory_arm(
-            model, memory_names, make, p, gen_m, memory, args.max_batch, settings["repeats"], bandwidth))
+            model, memory_names, make, p, gen_m, memory, args.max_batch, settings["repeats"]))
         log(f"  equal memory ({memory / 2**20:.0f} MiB): " + ", ".join(
             f"{r['policy']} batch {r['batch']} {r['tokens_per_second']:.1f} tok/s" for r in result["equal_memory"]["runs"]))
     if settings["requests"]:
@@ -525,7 +536,8 @@ def markdown(result: dict) -> str:
         f"{result['model']}, {result['dtype']}, {result['backend']} ({result['device']}, {result['cpu_count']} CPUs), "
         f"jax {result['jax_version']}; batch {result['batch']}, prompt {result['prompt']}, {result['gen']} generated, "
         f"T={result['budget']} w={result['window']} i={result['interval']}; medians of {result['repeats']} runs; "
-        f"read bandwidth {result['read_bandwidth'] / 1e9:.1f} GB/s.",
+        f"read bandwidth {result['read_bandwidth'] / 1e9:.1f} GB/s (the highest of "
+        f"{len(result['read_bandwidth_probes'])} probes, lowest {min(result['read_bandwidth_probes']) / 1e9:.1f}).",
         "",
         "| policy | tok/s | ms/step | rounds | ms/round | round share | mean entries | KV held MiB | "
         "KV alloc MiB | GB/s | of bw | compile s |",

@@ -88,6 +88,11 @@ def test_bench_end_to_end_on_random_weights(tiny_config, tmp_path, capsys):
     slot = 2 * 2 * 2 * 16 * 4  # keys and values x layers x KV heads x head dim x float32 bytes (tiny llama)
     for r in runs.values():  # parameters + the mean KV entries of both rows
         assert r["bytes_per_step"] == pytest.approx(stored["weight_bytes_per_step"] + r["mean_fill"] * slot * 2)
+    # the bandwidth probed before the timed runs and after each of the 3 interleaving rounds, the highest counting
+    probes = stored["read_bandwidth_probes"]
+    assert len(probes) == 4 and stored["read_bandwidth"] == max(probes)
+    for r in runs.values():
+        assert r["bandwidth_fraction"] == pytest.approx(r["achieved_bytes_per_second"] / max(probes))
     assert stored["random_vs_full_bytes_bound"] == pytest.approx(
         runs["full"]["bytes_per_step"] / runs["random"]["bytes_per_step"])
     assert stored["hf"]["tokens_equal_full"] is True and stored["hf"]["gen"] == 8
