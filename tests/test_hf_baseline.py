@@ -16,6 +16,7 @@ from randkv_jax.eval.hf_baseline import (
     HFRun,
     hf_decode_tokens_per_second,
     hf_generate,
+    set_threads,
     to_transformers,
 )
 from randkv_jax.models.loading import load_model
@@ -114,6 +115,15 @@ def test_static_cache_len_sizes_the_cache(tiny):
         hf_generate(hf, prompts, 4, cache="static", cache_len=15)
     with pytest.raises(ValueError, match="sizes a static cache"):
         hf_generate(hf, prompts, 4, cache="dynamic", cache_len=40)
+
+
+def test_set_threads_sets_torchs_intra_op_threads():
+    before = torch.get_num_threads()
+    try:
+        assert set_threads(1) == 1 and torch.get_num_threads() == 1
+        assert set_threads() == (os.cpu_count() or 1) == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_unconsumed_and_missing_parameters_raise(tiny):
