@@ -505,14 +505,14 @@ def run(args: argparse.Namespace) -> dict:
         log(f"  transformers {hf['tokens_per_second']:.1f} tok/s (gen {hf_gen}); jax full "
             f"{full.tokens_per_second:.1f}; tokens equal: {hf['tokens_equal_full']} "
             f"({hf['equal_prefix']} of {hf_gen} leading tokens, worst row)")
-        if "random" in runs:
-            at_gen = hf if hf_gen == g else hf_at_gen_arm(hf_model, model, b, p, g, min(settings["hf_steps"], g),
-                                                          settings["repeats"])
-            if hf_gen != g:
-                result["hf_at_gen"] = at_gen
-                log(f"  transformers at {g} generated (timed on {at_gen['steps']} steps): static "
-                    f"{at_gen['static_tokens_per_second']:.1f}, dynamic {at_gen['dynamic_tokens_per_second']:.1f} tok/s")
+        if "random" in runs and hf_gen == g:
+            result["random_vs_hf"] = rate("random") / hf["tokens_per_second"]
+        elif "random" in runs:
+            at_gen = result["hf_at_gen"] = hf_at_gen_arm(hf_model, model, b, p, g, min(settings["hf_steps"], g),
+                                                         settings["repeats"])
             result["random_vs_hf"] = rate("random") / at_gen["tokens_per_second"]
+            log(f"  transformers at {g} generated (timed on {at_gen['steps']} steps): static "
+                f"{at_gen['static_tokens_per_second']:.1f}, dynamic {at_gen['dynamic_tokens_per_second']:.1f} tok/s")
     elif args.hf:
         log("  no transformers arm (transformers not installed)")
     if not args.no_memory:
