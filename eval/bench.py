@@ -30,7 +30,8 @@ policy decodes exactly `gen` tokens per row. Arms, all in one process:
   of its steps (`hf_at_gen_arm`: a static cache of prompt + gen slots; a dynamic one at the
   run's mean length);
 - equal memory (`--memory-bytes`, default: FullAttention's KV buffer at `--batch`): the largest
-  batch each policy's buffer fits (capped at `--max-batch`) and its throughput there;
+  batch each policy's buffer fits (capped at `--max-batch`), its throughput and its share of
+  the read bandwidth there;
 - serving (`--requests`): an `Engine` with `--batch` slots serving that many requests with
   long-tailed lengths (`bench_engine.workload`), useful tokens/s per policy.
 
@@ -378,7 +379,8 @@ def _common_prefix(a, b) -> int:
 
 def equal_memory_arm(model: Model, names: list[str], make, prompt: int, gen: int, memory_bytes: int,
                      max_batch: int, repeats: int) -> list[dict]:
-    """The largest batch each policy's buffer fits in `memory_bytes` of KV, and its tokens/s there."""
+    """The largest batch each policy's buffer fits in `memory_bytes` of KV, and its tokens/s and
+    share of the read bandwidth there (probed in this arm's own interleaving rounds)."""
     out, arms = [], []
     for name in names:
         policy = make(name)
@@ -392,7 +394,8 @@ def equal_memory_arm(model: Model, names: list[str], make, prompt: int, gen: int
     for a in arms:
         out.append(dict(policy=a.name, batch=len(a.prompts), capacity=a.capacity,
                         tokens_per_second=runs[a.name].tokens_per_second,
-                        kv_bytes_allocated=runs[a.name].kv_bytes_allocated))
+                        kv_bytes_allocated=runs[a.name].kv_bytes_allocated,
+                        bandwidth_fraction=runs[a.name].bandwidth_fraction))
     return out
 
 
@@ -569,7 +572,8 @@ def markdown(result: dict) -> str:
     if "equal_memory" in result:
         em = result["equal_memory"]
         lines.append(f"- equal memory ({em['memory_bytes'] / 2**20:.0f} MiB of KV, gen {em['gen']}): " + ", ".join(
-            f"{r['policy']} batch {r['batch']} -> {r['tokens_per_second']:.1f} tok/s" for r in em["runs"]))
+            f"{r['policy']} batch {r['batch']} -> {r['tokens_per_second']:.1f} tok/s"
+            + (f" ({r['bandwidth_fraction']:.0%} of bw)" if r["batch"] else "") for r in em["runs"]))
     if "serving" in result:
         lines.append("- serving (engine, " + f"{result['serving'][0]['requests']} requests, "
                      f"{result['serving'][0]['slots']} slots): " + ", ".join(

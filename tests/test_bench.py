@@ -106,6 +106,7 @@ def test_bench_end_to_end_on_random_weights(tiny_config, tmp_path, capsys):
     assert reference["mean_fill"] == pytest.approx(runs["random"]["mean_fill"], abs=1)
     assert len(reference["repeats"]) == 3 * 5  # the short reference runs 5 times per interleaving round
     assert {r["policy"] for r in stored["equal_memory"]["runs"]} == {"full", "random", "triattention"}
+    assert all(0 < r["bandwidth_fraction"] for r in stored["equal_memory"]["runs"] if r["batch"])
     assert all(r["useful_tokens"] > 0 for r in stored["serving"])
 
 
