@@ -27,39 +27,33 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int
 
-from randkv_jax.models.bits import moved_as_bits
+from randkv_jax.models.bits import from_bits, is_half
 
 __all__ = ["buffer_attention"]
 
 
-def _slice_slots(x: jax.Array, layer, start: jax.Array, size: int, step: jax.Array, as_bits: bool) -> jax.Array:
-    """`x[:, :, start:start + size]`, or `x[layer, :, :, start:start + size]` when `layer` is given,
-    inside the loop body (`step` is the loop index).
+def _slice_slots(x: jax.Array, layer, start: jax.Array, size: int, bits_of) -> jax.Array:
+    """`x[:, :, start:start + size]`, or `x[layer, :, :, start:start + size]` when `layer` is given;
+    with `bits_of` (x holds the uint16 bits of that 16-bit float dtype) the block comes back in
+    that dtype.
 
     Slicing the stacked [l, ...] buffer directly (rather than `x[layer]` first) reads only the
-    block: no per-layer copy of the buffer is made.
-
-    `as_bits` (the decode loop sets it on CPU): XLA:CPU's float normalization does not take a
-    16-bit-float `dynamic-slice`: it converts the operand, the *whole* buffer, to float32, and
-    loop-invariant code motion hoists that convert out of the loop, so every call pays for the
+    block: no per-layer copy of the buffer is made. Why bits: XLA:CPU's float normalization does
+    not take a 16-bit-float `dynamic-slice`: it converts the operand, the *whole* buffer, to float32,
+    and loop-invariant code motion hoists that convert out of the loop, so every call pays for the
     capacity (measured: 298 ms instead of 5.5 ms per call at 1k filled / 16k slots, B=4, H=16,
-    Hkv=8, D=128). With `as_bits` a 16-bit float block is sliced as same-width unsigned ints
-    (`models.bits.moved_as_bits`), and the bitcast is tied to the loop index through an `optimization_barrier` so that it is not
-    hoisted (and materialised over the whole buffer) either. Same data, no extra work.
+    Hkv=8, D=128). The caller holds the buffer as bits (the decode loop does on CPU, where it also
+    appends to them): a bitcast of the whole buffer inside the call would be materialised.
     """
-
-    def cut(a):
-        if layer is None:
-            return jax.lax.dynamic_slice_in_dim(a, start, size, axis=2)
-        index = (layer, 0, 0, start) + (0,) * (a.ndim - 4)
-        return jax.lax.dynamic_slice(a, index, (1, *a.shape[1:3], size, *a.shape[4:]))[0]
-
-    if not (as_bits and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 2):
-        return cut(x)
-    x, _ = jax.lax.optimization_barrier((x, step))
-    return moved_as_bits(cut, x)
+    if layer is None:
+        block = jax.lax.dynamic_slice_in_dim(x, start, size, axis=2)
+    else:
+        index = (layer, 0, 0, start) + (0,) * (x.ndim - 4)
+        block = jax.lax.dynamic_slice(x, index, (1, *x.shape[1:3], size, *x.shape[4:]))[0]
+    return block if bits_of is None else from_bits(block, bits_of)
 
 
 def buffer_attention(
@@ -72,21 +66,23 @@ def buffer_attention(
     *,
     block_size: int = 256,
     layer: Int[Array, ""] | None = None,
-    slice_as_bits: bool = False,
+    bits_of: DTypeLike | None = None,
 ) -> Float[Array, "b t h d"]:
     """Softmax attention of `q` over the first `n_filled` slots of a KV buffer.
 
     Args:
       q: [b, t, h, d] queries (after RoPE); `t >= 1` (decode has t = 1).
-      keys, values: [b, k, s, d] buffer, in the compute dtype (float32 or bfloat16); `h % k == 0`.
+      keys, values: [b, k, s, d] buffer, in the compute dtype (float32 or bfloat16), or its uint16
+        bits with `bits_of`; `h % k == 0`.
       slot_positions: [b, k, s] int32 absolute position of each slot, -1 for an empty slot.
       query_positions: [b, t] int32 absolute position of each query token.
       n_filled: int32 scalar, may be traced: slots `>= n_filled` are never read (clipped to [0, s]).
       block_size: static number of slots per loop step (`min(block_size, s)` is used).
       layer: when given, `keys`/`values` are the stacked buffer [l, b, k, s, d] and
         `slot_positions` [l, b, k, s], and layer `layer` is read (the decode loop's case).
-      slice_as_bits: slice 16-bit float blocks as uint16 (the XLA:CPU workaround of
-        `_slice_slots`; static, chosen by the caller for the platform it builds for).
+      bits_of: static; when given, a 16-bit float dtype (bfloat16, float16) of which `keys` and
+        `values` hold the uint16 bits (`models.bits.to_bits`): each block is read as bits and
+        bitcast back (the XLA:CPU workaround of `_slice_slots`; free on every backend).
 
     Returns:
       ctx [b, t, h, d] in `q.dtype`. Query t sees slot j of kv head k iff
@@ -116,6 +112,8 @@ def buffer_attention(
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     if jnp.ndim(n_filled) != 0:
         raise ValueError(f"n_filled must be a scalar, got shape {jnp.shape(n_filled)}")
+    if bits_of is not None and not (is_half(bits_of) and keys.dtype == jnp.uint16):
+        raise ValueError(f"bits_of={bits_of} needs a 16-bit float dtype and uint16 keys/values, got {keys.dtype}")
 
     groups = h // kv_heads
     with jax.named_scope("buffer_attention"):
@@ -134,9 +132,9 @@ def buffer_attention(
             m, l, acc = carry
             nominal = i * bs
             start = jnp.minimum(nominal, s - bs)  # the tail block re-reads a few covered slots
-            k_blk = _slice_slots(keys, layer, start, bs, i, slice_as_bits)  # [b, k, bs, d]
-            v_blk = _slice_slots(values, layer, start, bs, i, slice_as_bits)
-            pos = _slice_slots(slot_positions, layer, start, bs, i, slice_as_bits)  # [b, k, bs]
+            k_blk = _slice_slots(keys, layer, start, bs, bits_of)  # [b, k, bs, d]
+            v_blk = _slice_slots(values, layer, start, bs, bits_of)
+            pos = _slice_slots(slot_positions, layer, start, bs, None)  # [b, k, bs]
             idx = start + offsets
             live = ((idx >= nominal) & (idx < n))[None, None, :] & (pos >= 0)  # [b, k, bs]
             visible = live[:, :, None, None, :] & (pos[:, :, None, None, :] <= qpos)  # [b,k,1,t,bs]

@@ -43,7 +43,7 @@ from randkv_jax import observations as obs_lib
 from randkv_jax import sharding
 from randkv_jax.attention import buffer_attention
 from randkv_jax.buffer import KVBuffer, compact
-from randkv_jax.models.bits import moved_as_bits
+from randkv_jax.models.bits import from_bits, is_half, moved_as_bits, to_bits
 from randkv_jax.models.config import ModelConfig
 from randkv_jax.models.decoder import Decoder, dense_attention
 from randkv_jax.observations import Observations, record_decode, record_prefill, reorder
@@ -212,20 +212,28 @@ def _prefill_attend(q, k, v, inputs: PrefillInputs, cache: CacheState, layer):
     return ctx, CacheState(buf, observations)
 
 
-def _decode_attend(q, k, v, inputs: DecodeInputs, cache: CacheState, layer, *, slice_as_bits: bool):
+def _decode_attend(q, k, v, inputs: DecodeInputs, cache: CacheState, layer, *, half_as_bits: bool):
     """Append this step's key/value at each row's slot `fill`, then attend over the filled blocks.
 
-    The new slot's position is already written, for every layer at once (`_step`)."""
+    The new slot's position is already written, for every layer at once (`_step`).
+    `half_as_bits` (the CPU program): a 16-bit float buffer is appended to and read as its uint16
+    bits (`models.bits`; XLA:CPU widens 16-bit scatters and slices to float32 over the whole
+    buffer), the bits handed to the attention as they are: a bitcast back to floats in between
+    would be materialised, a copy of the buffer per layer."""
     buf = cache.buffer
     rows, slot = jnp.arange(k.shape[0]), buf.fill
-    append = lambda dest, x: moved_as_bits(  # noqa: E731
-        lambda d, u: d.at[layer, rows, :, slot].set(u, mode="drop"), dest, x[:, 0])
-    buf = dataclasses.replace(buf, keys=append(buf.keys, k), values=append(buf.values, v))
+    dtype, half = buf.keys.dtype, is_half(buf.keys.dtype)
+    stored = (lambda x: to_bits(x.astype(dtype))) if half else (lambda x: x.astype(dtype))  # noqa: E731
+    append = lambda dest, x: stored(dest).at[layer, rows, :, slot].set(stored(x[:, 0]), mode="drop")  # noqa: E731
+    keys, values = append(buf.keys, k), append(buf.values, v)  # the bits of a 16-bit buffer
+    floats = lambda x: from_bits(x, dtype) if half else x  # noqa: E731
+    bits_of = dtype if half and half_as_bits else None
     query_positions = inputs.query_positions[:, None]
     ctx = buffer_attention(
-        q, buf.keys, buf.values, buf.positions, query_positions, inputs.n_filled,
-        block_size=ATTENTION_BLOCK, layer=layer, slice_as_bits=slice_as_bits,
+        q, *((keys, values) if bits_of else (floats(keys), floats(values))), buf.positions, query_positions,
+        inputs.n_filled, block_size=ATTENTION_BLOCK, layer=layer, bits_of=bits_of,
     )
+    buf = dataclasses.replace(buf, keys=floats(keys), values=floats(values))
     observations = record_decode(cache.observations, layer, buf.generated, inputs.active, q, buf.keys,
                                  buf.positions, query_positions)
     return ctx, CacheState(buf, observations)
@@ -320,7 +328,7 @@ def _step(params, state: LoopState, index: Int[Array, ""], spec: DecodeSpec) -> 
     new_positions = jnp.where(active, inputs.query_positions, -1)
     buffer = dataclasses.replace(buffer, positions=buffer.positions.at[:, jnp.arange(active.shape[0]), :, buffer.fill]
                                  .set(new_positions[:, None, None], mode="drop"))
-    attend = functools.partial(_decode_attend, slice_as_bits=spec.platform == "cpu")
+    attend = functools.partial(_decode_attend, half_as_bits=spec.platform == "cpu")
     decoder = Decoder(spec.config, spec.dtype, spec.dtype, attend=attend, unstacked=spec.unstacked)
     logits, cache = decoder.apply(
         {"params": params}, state.last[:, None], inputs.query_positions[:, None], inputs,

@@ -13,9 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from randkv_jax.attention import buffer_attention
+from randkv_jax.models.bits import to_bits
 
 # one compile per shape; eager dispatch of the while_loop op by op is much slower
-attend = jax.jit(buffer_attention, static_argnames=("block_size", "slice_as_bits"))
+attend = jax.jit(buffer_attention, static_argnames=("block_size", "bits_of"))
 
 
 def reference(q, keys, values, slot_positions, query_positions, n_filled):
@@ -209,9 +210,36 @@ def test_compiled_loop_does_not_touch_the_whole_buffer(dtype):
     b, kv, s, d = 2, 2, 4096, 8
     keys = jnp.zeros((b, kv, s, d), dtype)
     args = (jnp.zeros((b, 1, 4, d), dtype), keys, keys, jnp.zeros((b, kv, s), jnp.int32), jnp.zeros((b, 1), jnp.int32))
-    on_cpu = jax.default_backend() == "cpu"  # the workaround the decode loop turns on there
-    hlo = attend.lower(*args, jnp.int32(100), block_size=64, slice_as_bits=on_cpu).compile().as_text()
+    if jax.default_backend() == "cpu" and dtype != jnp.float32:  # held as bits there, as the decode loop does
+        args = (args[0], to_bits(keys), to_bits(keys), *args[3:])
+        bits_of = dtype
+    else:
+        bits_of = None
+    hlo = attend.lower(*args, jnp.int32(100), block_size=64, bits_of=bits_of).compile().as_text()
     assert not re.findall(rf"= \w+\[{b},{kv},{s},{d}\]\{{[^}}]*\}} (?:convert|copy|fusion)\(", hlo)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["one layer", "stacked"])
+def test_buffer_held_as_bits_gives_the_same_attention(stacked):
+    """A bfloat16 buffer handed over as its uint16 bits (`bits_of`, the CPU decode loop's form)
+    attends exactly as the bfloat16 buffer itself: each block is the same data, bitcast back."""
+    rng = np.random.default_rng(3)
+    b, t, h, kv, s, d = 2, 1, 4, 2, 100, 8
+    q, keys, values, pos, qpos = make_buffer(rng, b, t, h, kv, s, d, (90, 57), hole_frac=0.2)
+    q, keys, values = (x.astype(jnp.bfloat16) for x in (q, keys, values))
+    layer = None
+    if stacked:  # the stacked [l, ...] buffer, layer 1 read
+        keys, values, pos = (jnp.stack([jnp.zeros_like(x), x]) for x in (keys, values, pos))
+        layer = jnp.int32(1)
+    kw = dict(block_size=32, layer=layer)
+    want = buffer_attention(q, keys, values, pos, qpos, jnp.int32(90), **kw)
+    got = buffer_attention(q, to_bits(keys), to_bits(values), pos, qpos, jnp.int32(90), bits_of=jnp.bfloat16, **kw)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    with pytest.raises(ValueError, match="bits_of"):  # floats where bits were announced
+        buffer_attention(q, keys, values, pos, qpos, jnp.int32(90), bits_of=jnp.bfloat16, **kw)
+    with pytest.raises(ValueError, match="bits_of"):  # not a 16-bit float
+        buffer_attention(q, to_bits(keys), to_bits(values), pos, qpos, jnp.int32(90), bits_of=jnp.float32, **kw)
 
 
 def test_stacked_buffer_with_layer_index_reads_that_layer():
