@@ -18,10 +18,10 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 def default_dtype(platform: str | None = None) -> str:
     """The dtype used when none is asked for: "bfloat16" on GPU and TPU, "float32" on CPU.
 
-    On CPU, XLA's bfloat16 decode step measured 2.8x slower than float32 (SmolLM2-135M, batch
-    8: 79 against 222 tok/s; 5-10x before the whole-array converts were removed, `models/bits.py`;
-    `docs/benchmarks.md`), although it reads half the bytes. `platform` defaults to JAX's default
-    backend."""
+    On CPU, XLA's bfloat16 decode is not yet at least as fast as float32 everywhere (SmolLM2-135M,
+    batch 8, prompt 128: 0.94x at 64 new tokens, 1.03-1.13x at 512; 5-10x slower before the
+    whole-array converts were removed, `models/bits.py`; `docs/benchmarks.md`), and its prefill
+    widens the weights to float32. `platform` defaults to JAX's default backend."""
     return "float32" if (platform or jax.default_backend()) == "cpu" else "bfloat16"
 
 
