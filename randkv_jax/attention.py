@@ -82,7 +82,7 @@ def buffer_attention(
         `slot_positions` [l, b, k, s], and layer `layer` is read (the decode loop's case).
       bits_of: static; when given, a 16-bit float dtype (bfloat16, float16) of which `keys` and
         `values` hold the uint16 bits (`models.bits.to_bits`): each block is read as bits and
-        bitcast back (the XLA:CPU workaround of `_slice_slots`; free on every backend).
+        bitcast back (the XLA:CPU workaround of `_slice_slots`).
 
     Returns:
       ctx [b, t, h, d] in `q.dtype`. Query t sees slot j of kv head k iff

@@ -228,10 +228,11 @@ def _decode_attend(q, k, v, inputs: DecodeInputs, cache: CacheState, layer, *, h
     keys, values = append(buf.keys, k), append(buf.values, v)  # the bits of a 16-bit buffer
     floats = lambda x: from_bits(x, dtype) if half else x  # noqa: E731
     bits_of = dtype if half and half_as_bits else None
+    attended = (keys, values) if bits_of else (floats(keys), floats(values))
     query_positions = inputs.query_positions[:, None]
     ctx = buffer_attention(
-        q, *((keys, values) if bits_of else (floats(keys), floats(values))), buf.positions, query_positions,
-        inputs.n_filled, block_size=ATTENTION_BLOCK, layer=layer, bits_of=bits_of,
+        q, *attended, buf.positions, query_positions, inputs.n_filled,
+        block_size=ATTENTION_BLOCK, layer=layer, bits_of=bits_of,
     )
     buf = dataclasses.replace(buf, keys=floats(keys), values=floats(values))
     observations = record_decode(cache.observations, layer, buf.generated, inputs.active, q, buf.keys,
