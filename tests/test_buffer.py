@@ -66,6 +66,11 @@ def test_compaction_in_the_decode_program_moves_the_buffer_in_place(tiny_model):
     assert not copies, copies
 
 
+def _in_bfloat16(model):
+    return dataclasses.replace(model, params=jax.tree.map(lambda x: x.astype(jnp.bfloat16), model.params),
+                               dtype=jnp.bfloat16)
+
+
 @pytest.mark.parametrize("unstacked", [True, False], ids=["unstacked", "scanned"])
 def test_bfloat16_decode_program_never_widens_the_buffer(tiny_model, unstacked):
     """The compiled bfloat16 decode loop under Random Attention (appends, rounds, compaction) holds
@@ -73,8 +78,7 @@ def test_bfloat16_decode_program_never_widens_the_buffer(tiny_model, unstacked):
     back around every 16-bit scatter and gather (`models.bits.moved_as_bits`); nor of a layer's
     weights (`decoder.project`). (A scoring policy's
     round legitimately scores the keys in float32, once a round.)"""
-    model = dataclasses.replace(tiny_model, params=jax.tree.map(lambda x: x.astype(jnp.bfloat16), tiny_model.params),
-                                dtype=jnp.bfloat16)
+    model = _in_bfloat16(tiny_model)
     policy = RandomAttention(budget=24, window=8)
     spec = DecodeSpec(model.config, jnp.bfloat16, policy, SamplingParams(), 8, "cpu", unstacked=unstacked)
     state = empty_state(spec, 2, 64)
@@ -95,9 +99,8 @@ def test_bfloat16_decode_step_appends_and_attends_on_the_bits(tiny_model, unstac
     """The bf16 buffer is bitcast to its uint16 bits and back once per step, not per layer: each
     layer's append and attention work on the bits (`decode._decode_attend`). A bitcast back to
     bf16 between a layer's append and its attention was materialised: a copy of the whole buffer
-    per layer and step (measured on 2 CPU cores, SmolLM2-135M: 94 of the step's ms)."""
-    model = dataclasses.replace(tiny_model, params=jax.tree.map(lambda x: x.astype(jnp.bfloat16), tiny_model.params),
-                                dtype=jnp.bfloat16)
+    per layer and step (measured on 2 CPU cores, SmolLM2-135M: 94 ms of a step's thread time)."""
+    model = _in_bfloat16(tiny_model)
     spec = DecodeSpec(model.config, jnp.bfloat16, FullAttention(), SamplingParams(), 8, "cpu", unstacked=unstacked)
     state = empty_state(spec, 2, 256)  # two blocks of 128
     params = unstack_layers(model.params) if unstacked else model.params
